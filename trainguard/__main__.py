@@ -1,0 +1,3 @@
+from trainguard.cli.main import main
+
+raise SystemExit(main())

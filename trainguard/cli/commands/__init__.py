@@ -1,0 +1,1 @@
+"""One module per top-level command. Each exposes ``register(subparsers)``; main.py discovers them."""

@@ -1,0 +1,71 @@
+"""Output conventions shared by every command.
+
+* Human output uses ``rich`` (tables, progress bars) on stderr-safe consoles.
+* With ``--json`` a command prints exactly one JSON object as the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+def add_json_flag(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
+
+
+def _clean(value: Any) -> Any:
+    """Make a value JSON-safe: NaN/inf become strings (JSON has no such numbers), tuples become lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return _clean(value.item())
+    return value
+
+
+def emit_json(result: dict) -> None:
+    print(json.dumps(_clean(result), sort_keys=False))
+
+
+def table(title: str, rows: dict[str, Any] | list[tuple], columns: tuple[str, ...] = ("key", "value")) -> Table:
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c)
+    items = rows.items() if isinstance(rows, dict) else rows
+    for row in items:
+        t.add_row(*(_fmt(v) for v in row))
+    return t
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def progress(**kwargs):
+    """A rich progress bar on stderr (so ``--json`` stdout stays clean)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=err_console,
+        transient=kwargs.pop("transient", False),
+        **kwargs,
+    )

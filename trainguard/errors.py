@@ -1,0 +1,23 @@
+"""Errors that reach users. The CLI prints ``TrainguardError`` as one line and exits with code 2."""
+
+
+class TrainguardError(Exception):
+    """A problem with the user's input (config, CLI argument, checkpoint, corpus, shape)."""
+
+    exit_code = 2
+
+
+class ConfigError(TrainguardError):
+    """Unknown key, wrong type or impossible value in a config or override."""
+
+
+class CheckpointError(TrainguardError):
+    """A checkpoint that is missing, incomplete or fails its content checksum."""
+
+
+class DataError(TrainguardError):
+    """A corpus that is missing, empty or too small for the requested sequence length."""
+
+
+class ShapeError(TrainguardError):
+    """A tensor shape that a protected kernel cannot handle (refused, never silently skipped)."""
