@@ -1,0 +1,149 @@
+"""The Trainer loop: learning, grad accumulation, activation checkpointing, bf16, hooks, dispatch."""
+
+import contextlib
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_cfg
+from trainguard.errors import TrainguardError
+from trainguard.train import Trainer, apply_activation_checkpointing
+from trainguard.train.activation_checkpoint import is_wrapped
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_loss_decreases_and_outputs(tmp_path, batches):
+    cfg = tiny_cfg("--train.steps", "40", "--train.lr", "1e-2", "--train.eval_every", "20",
+                   "--output.dir", str(tmp_path), "--output.metrics", "true")
+    t = Trainer(cfg, batches=batches)
+    s = t.run()
+    assert s.steps_run == 40 and s.final_loss < s.first_loss - 1.0
+    assert s.val_loss is not None and s.val_ppl > 1 and s.first_nonfinite_step is None
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(40))
+    assert all(k in steps[0] for k in ("loss", "tokens_per_s", "step_time_s", "peak_mem_mb", "lr", "grad_norm"))
+    assert sum(1 for r in lines if r.get("event") == "eval") == 2
+    assert json.loads((tmp_path / "summary.json").read_text())["steps_run"] == 40
+
+
+def test_grad_accumulation_matches_big_batch(batches):
+    big = Trainer(tiny_cfg(), batches=batches)
+    acc = Trainer(tiny_cfg("--train.grad_accum", "4"), batches=batches)
+    rb, ra = big.train_step(), acc.train_step()
+    assert ra.micro_batches == 4
+    assert abs(rb.loss - ra.loss) < 1e-5 and abs(rb.grad_norm - ra.grad_norm) < 1e-4
+    gb, ga = _grads(big.model), _grads(acc.model)
+    for n in gb:
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6)
+    for (n, pb), (_, pa) in zip(big.model.named_parameters(), acc.model.named_parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy, ops", [("full", "attention"), ("selective", "attention"),
+                                         ("selective", "attention,ffn")])
+def test_activation_checkpointing_gives_equal_gradients(batches, policy, ops):
+    ref = Trainer(tiny_cfg(), batches=batches)
+    ac = Trainer(tiny_cfg("--train.activation_checkpoint", policy, "--train.selective_ops", ops), batches=batches)
+    names = [n for n, _ in ac.model.named_parameters()]
+    assert names == [n for n, _ in ref.model.named_parameters()]  # wrapping keeps parameter names
+    wrapped = [m for m in ac.model.modules() if is_wrapped(m)]
+    assert len(wrapped) == (2 if policy == "full" else 2 * len(ops.split(",")))
+    ref.train_step()
+    ac.train_step()
+    gr, ga = _grads(ref.model), _grads(ac.model)
+    for n in gr:
+        torch.testing.assert_close(ga[n], gr[n], rtol=0, atol=1e-7)
+
+
+def test_context_fn_sees_forward_and_recompute(batches):
+    t = Trainer(tiny_cfg(), batches=batches)
+    calls = []
+
+    def context_fn():
+        @contextlib.contextmanager
+        def tag(name):
+            calls.append(name)
+            yield
+
+        return tag("forward"), tag("recompute")
+
+    apply_activation_checkpointing(t.model, "full", (), context_fn=context_fn, early_stop=False)
+    t.train_step()
+    assert calls.count("forward") == 2 and calls.count("recompute") == 2
+
+
+def test_bf16_autocast_runs(batches):
+    t = Trainer(tiny_cfg("--train.dtype", "bf16"), batches=batches)
+    seen = []
+    t.model.output.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    r = [t.train_step() for _ in range(3)]
+    assert seen[0] == torch.bfloat16 and all(x.finite for x in r)
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())  # master weights stay fp32
+
+
+def test_step_contexts_and_callbacks(batches):
+    t = Trainer(tiny_cfg(), batches=batches)
+    log = []
+
+    @contextlib.contextmanager
+    def ctx(step):
+        log.append(("enter", step))
+        yield
+        log.append(("exit", step))
+
+    class CB:
+        def on_step_start(self, trainer, step):
+            log.append(("start", step))
+
+        def on_step_end(self, trainer, result):
+            log.append(("end", result.step))
+
+    t.step_contexts.append(ctx)
+    t.callbacks.append(CB())
+    t.run(2)
+    assert log == [("start", 0), ("enter", 0), ("exit", 0), ("end", 0),
+                   ("start", 1), ("enter", 1), ("exit", 1), ("end", 1)]
+
+
+def test_stop_on_nan(batches):
+    t = Trainer(tiny_cfg(), batches=batches)
+    t.stop_on_nan = True
+    attn = t.model.layers["0"].attention
+
+    class Inject:
+        def on_step_start(self, trainer, step):
+            if step == 2:
+                def hook(module, name, x):
+                    if name == "scores":
+                        x = x.clone()
+                        x[0, 0, 5, 3] = float("nan")
+                        remove()
+                        return x
+                remove = attn.add_product_hook(hook)
+
+    t.callbacks.append(Inject())
+    s = t.run(6)
+    assert s.stopped_early and s.end_step == 3 and s.first_nonfinite_step == 2
+
+
+def test_moe_trainer_adds_aux_loss(batches):
+    t = Trainer(tiny_cfg("--model.preset", "llama-moe-tiny"), batches=batches)
+    r = t.train_step()
+    x, y = batches.batch(0)
+    assert t.model.aux_loss() is not None and r.finite
+    router = t.model.layers["0"].feed_forward.router.weight
+    assert router.grad is not None and router.grad.abs().sum() > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trainguard.train.pipeline") is not None,
+                    reason="pipeline module present (tested in its own file)")
+def test_pipeline_dispatch_without_module_is_clear_error(batches):
+    t = Trainer(tiny_cfg("--distributed.pp", "2"), batches=batches)
+    with pytest.raises(TrainguardError, match="pipeline"):
+        t.run()
