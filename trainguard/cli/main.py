@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     import trainguard.cli.commands as commands
 
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):  # sub-command modules, registered by their parent command
+            continue
         module = importlib.import_module(f"{commands.__name__}.{info.name}")
         module.register(sub)
     return parser

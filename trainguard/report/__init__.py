@@ -1,0 +1,1 @@
+"""Reports of benchmarks and campaigns: tables and matplotlib figures (Agg backend, files only)."""
