@@ -15,7 +15,6 @@ import statistics
 import tempfile
 import time
 
-import torch
 
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 
@@ -52,6 +51,8 @@ def register(subparsers) -> None:
 
 
 def _threads(n: int) -> None:
+    import torch
+
     if n > 0:
         torch.set_num_threads(n)
         return
@@ -66,6 +67,8 @@ def _threads(n: int) -> None:
 
 def bench_train(model: str = "llama-tiny", steps: int = 40, rounds: int = 5, warmup: int = 3, batch: int = 8,
                 seq_len: int = 128, dtype: str = "fp32", device: str = "auto") -> dict:
+    import torch
+
     from trainguard.config import load_config
     from trainguard.data import PackedBatches
     from trainguard.errors import ConfigError

@@ -14,7 +14,6 @@ import math
 import time
 from typing import Any, Callable
 
-import torch
 
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 
@@ -83,6 +82,8 @@ class InjectNaN:
 
 
 def _nonfinite_params(model) -> tuple[int, int]:
+    import torch
+
     bad = total = 0
     for p in model.parameters():
         bad += int((~torch.isfinite(p)).sum())
@@ -206,6 +207,8 @@ def _pick_threads() -> None:
     except OSError:
         load = 0.0
     if cores <= 4 and load >= 0.75 * cores:
+        import torch
+
         torch.set_num_threads(1)
 
 
