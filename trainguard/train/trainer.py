@@ -148,6 +148,9 @@ class Trainer:
         self.cfg = cfg
         self.step_contexts: list[Callable[[int], ContextManager]] = []
         self.callbacks: list[object] = []
+        # Callables returning a flat dict of counters (e.g. ABFT detected/corrected) merged into every
+        # metrics record and into the run summary's ``extra``.
+        self.metric_sources: list[Callable[[], dict[str, Any]]] = []
         self.step_idx = 0
         self.stop_on_nan = False  # stop run() at the first non-finite loss (the step's result is kept)
         self.show_progress = cfg.output.progress if progress is None else progress
@@ -368,7 +371,7 @@ class Trainer:
                 last = r
                 if first_loss is None:
                     first_loss = r.loss_t
-                logger.record(r.step, r.loss_t, r.grad_norm_t, r.lr, r.tokens, r.step_time_s)
+                logger.record(r.step, r.loss_t, r.grad_norm_t, r.lr, r.tokens, r.step_time_s, **self.extra_metrics())
                 if self.stop_on_nan and not r.finite:
                     summary.stopped_early = True
                     break
@@ -401,10 +404,17 @@ class Trainer:
         summary.val_ppl = evaluation.get("val_ppl")
         summary.peak_mem_mb = peak_memory_mb(self.device)
         summary.first_nonfinite_step = logger.first_nonfinite_step
+        summary.extra.update(self.extra_metrics())
         if out_dir and self.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "summary.json").write_text(json.dumps(_json_safe(summary.to_dict()), indent=1))
         return summary
+
+    def extra_metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for source in self.metric_sources:
+            out.update(source())
+        return out
 
     def close(self) -> None:
         """Tear down the process group if this trainer created it."""
@@ -436,11 +446,17 @@ def run_pipeline(cfg) -> RunSummary:
     return _run(cfg)
 
 
-def run_training(cfg, progress: bool | None = None) -> RunSummary:
-    """Train from a RunConfig (the ``trainguard train`` entry point inside each process)."""
+def run_training(cfg, progress: bool | None = None,
+                 setup: Callable[[Trainer], None] | None = None) -> RunSummary:
+    """Train from a RunConfig (the ``trainguard train`` entry point inside each process).
+
+    ``setup(trainer)`` runs once before the loop: the CLI uses it to switch on protections from the
+    ``[sdc]`` section (techniques live above this layer, so the trainer does not import them)."""
     if cfg.distributed.pp > 1:
         return run_pipeline(cfg)
     trainer = Trainer(cfg, progress=progress)
+    if setup is not None:
+        setup(trainer)
     try:
         return trainer.run()
     finally:

@@ -71,10 +71,11 @@ def run(args) -> int:
 
         return relaunch(cfg, cli_args(args))
 
+    from trainguard.sdc.runtime import attach_from_config
     from trainguard.train.trainer import dist_env, run_training
 
     rank = dist_env()[0]
-    summary = run_training(cfg)
+    summary = run_training(cfg, setup=attach_from_config)
     if rank != 0:
         return 0
     d = summary.to_dict() if hasattr(summary, "to_dict") else dict(summary)
