@@ -177,10 +177,16 @@ def run(args) -> int:
     runs.append(second)
     wall = time.perf_counter() - t0
 
-    cols = ("run", "injected_at_step", "first_nan_step", "steps_run", "final_loss", "val_loss",
-            "nonfinite_params", "outcome")
-    rows = [tuple(_show(r.get(c)) for c in cols) for r in runs]
-    out.print(table("trainguard demo: one NaN in attention", rows, columns=cols))
+    # One column per run, one row per figure: readable in an 80-column terminal.
+    fields = (("fault injected at step", "injected_at_step"), ("first NaN loss at step", "first_nan_step"),
+              ("steps run", "steps_run"), ("final loss", "final_loss"), ("validation loss", "val_loss"),
+              ("non-finite weights", "nonfinite_params"), ("outcome", "outcome"))
+    rows = [(label, *(_show(r.get(key)) for r in runs)) for label, key in fields]
+    prot = runs[1].get("protection")
+    if isinstance(prot, dict):
+        rows.append(("ABFT detected / corrected", "-",
+                     f"{prot.get('detected', '?')} / {prot.get('corrected', '?')}"))
+    out.print(table("trainguard demo: one NaN in attention", rows, columns=("", *(r["run"] for r in runs))))
     u = runs[0]
     if u["first_nan_step"] is not None:
         out.print(f"Unprotected: the loss became NaN at step {u['first_nan_step']} and "
