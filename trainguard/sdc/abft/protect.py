@@ -1,0 +1,245 @@
+"""``protect(model, ABFTConfig)`` -> :class:`ABFTHandle`; ``unprotect(model)``.
+
+Relies on ``torch``; model adapters are :mod:`trainguard.sdc.abft.hf` (HF transformers) and the
+``Attention.kernel`` slot of :mod:`trainguard.models.llama`.
+
+Frequencies: ``ABFTConfig.frequencies = (f_AS, f_CL, f_O)`` in [0, 1]. Section ``s`` is checked on step
+``i`` (set with :meth:`ABFTHandle.set_step`, e.g. from a Trainer ``on_step_start`` callback: the handle is
+one) iff ``floor((i + 1) f_s) > floor(i f_s)``: exactly ``round-down((i+1) f)`` of the first ``i+1`` steps
+are checked, evenly spread (f = 1: every step; 0.5: steps 1, 3, 5, ...; 0: never). The step stays where it
+was set until the next ``set_step``. The forward decides; a backward pass uses its forward's decision.
+
+Counters count product checks, per section: ``detected`` (a product whose checksum was flagged),
+``corrected`` (fixed by EEC-ABFT, including a corrupted checksum), ``uncorrectable`` (a pattern EEC-ABFT
+cannot fix, e.g. 2D) and ``recomputed`` (then recomputed from its verified inputs). ``events`` holds one
+dict per detection and per corrected element (capped at ``ABFTConfig.max_events``).
+
+Fault hooks ``fn(layer_idx, product, tensor) -> Tensor | None`` see each product right after its GEMM and
+before verification, under ``torch.no_grad``; a returned tensor is copied into the product in place (the
+autograd graph is the GEMM's, as for a real hardware fault). Forward products are :data:`PRODUCTS`;
+backward ones :data:`BACKWARD_PRODUCTS` (fired whenever hooks exist, verified with ``backward=True``).
+Recomputations do not call hooks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from trainguard.errors import ConfigError, TrainguardError
+from trainguard.sdc.abft import eec
+from trainguard.sdc.abft.attention import (PRODUCTS, SECTION_OF, SECTIONS, linear_proj, protected_attention)
+from trainguard.sdc.abft.checksums import Outcome
+
+FaultHook = Callable[[int, str, torch.Tensor], "torch.Tensor | None"]
+_ATTR = "_trainguard_abft"
+
+
+@dataclass
+class ABFTConfig:
+    frequencies: tuple[float, float, float] = (1.0, 1.0, 1.0)  # (AS, CL, O) check frequencies
+    backward: bool = False          # verify the backward-pass GEMMs too
+    check: bool = True              # False: run the kernel (and hooks) without any checksum work
+    correct: bool = True            # False: detect and count only
+    recompute: bool = True          # recompute a product EEC-ABFT cannot correct
+    tolerance_factor: float = 2.0   # tau in the roundoff bound (see checksums.py)
+    near_inf: float = eec.T_NEAR_INF
+    correct_threshold: float = eec.T_CORRECT
+    max_events: int = 10_000
+
+    def validate(self) -> "ABFTConfig":
+        fr = tuple(float(f) for f in self.frequencies)
+        if len(fr) != 3 or any(not (0.0 <= f <= 1.0) or math.isnan(f) for f in fr):
+            raise ConfigError(f"abft frequencies must be three numbers in [0, 1] (AS, CL, O), got {self.frequencies!r}")
+        self.frequencies = fr
+        if not self.tolerance_factor > 0:
+            raise ConfigError(f"abft tolerance_factor must be > 0, got {self.tolerance_factor}")
+        return self
+
+
+def section_due(step: int, f: float) -> bool:
+    """Section with frequency ``f`` is checked on step ``step`` iff floor((step+1) f) > floor(step f)."""
+    if f >= 1.0:
+        return True
+    if f <= 0.0:
+        return False
+    return math.floor((step + 1) * f + 1e-12) > math.floor(step * f + 1e-12)
+
+
+def _zero() -> dict[str, int]:
+    return {"detected": 0, "corrected": 0, "uncorrectable": 0, "recomputed": 0}
+
+
+@dataclass
+class ABFTHandle:
+    model: nn.Module
+    cfg: ABFTConfig
+    counters: dict = field(default_factory=lambda: {s: _zero() for s in SECTIONS})
+    events: list = field(default_factory=list)
+    step: int = 0
+    _hooks: dict = field(default_factory=dict)
+    _restore: list = field(default_factory=list)
+    kind: str = ""
+    n_layers: int = 0
+
+    # -- public API
+    def reset_counters(self) -> None:
+        self.counters = {s: _zero() for s in SECTIONS}
+        self.events = []
+
+    def total(self) -> dict[str, int]:
+        tot = _zero()
+        for c in self.counters.values():
+            for key, val in c.items():
+                tot[key] += val
+        return tot
+
+    def set_step(self, step: int) -> None:
+        self.step = int(step)
+
+    def on_step_start(self, trainer, step: int) -> None:  # Trainer callback
+        self.set_step(step)
+
+    def add_fault_hook(self, fn: FaultHook) -> Callable[[], None]:
+        key = object()
+        self._hooks[key] = fn
+        return lambda: self._hooks.pop(key, None)
+
+    def due(self) -> tuple[bool, bool, bool]:
+        if not self.cfg.check:
+            return (False, False, False)
+        return tuple(section_due(self.step, f) for f in self.cfg.frequencies)
+
+    # -- used by the kernel
+    def fire(self, layer: int, product: str, t: torch.Tensor) -> None:
+        if not self._hooks:
+            return
+        with torch.no_grad():
+            for fn in list(self._hooks.values()):
+                r = fn(layer, product, t)
+                if r is not None and r is not t:
+                    if r.shape != t.shape:
+                        raise TrainguardError(f"fault hook returned shape {tuple(r.shape)} for {product} "
+                                              f"of shape {tuple(t.shape)}")
+                    t.copy_(r)
+
+    def resolve_kw(self) -> dict:
+        return dict(correct=self.cfg.correct, recompute=self.cfg.recompute, near_inf=self.cfg.near_inf,
+                    t_correct=self.cfg.correct_threshold)
+
+    def verify(self, layer: int, product: str, chk) -> None:
+        """Backward-pass products: detect (one sync) and resolve."""
+        from trainguard.sdc.abft import checksums as cks
+
+        if bool(chk.any()):
+            self.record(layer, product, cks.resolve(chk, **self.resolve_kw()))
+
+    def _event(self, **kw) -> None:
+        if len(self.events) < self.cfg.max_events:
+            self.events.append(kw)
+
+    def record(self, layer: int, product: str, out: Outcome) -> None:
+        sec = SECTION_OF[product]
+        c = self.counters[sec]
+        c["detected"] += 1
+        self._event(step=self.step, layer=layer, section=sec, product=product, kind="detected",
+                    location=out.first, old=None, new=None, flagged=out.flagged)
+        if out.kind == "corrected":
+            c["corrected"] += 1
+            for f in out.fixes:
+                self._event(step=self.step, layer=layer, section=sec, product=product, kind="corrected",
+                            location=(*f.batch, f.row, f.col), old=f.old, new=f.new)
+            if out.checksum_errors and not out.fixes:
+                self._event(step=self.step, layer=layer, section=sec, product=product, kind="corrected",
+                            location="checksum", old=None, new=None)
+        elif out.kind == "uncorrectable":
+            c["uncorrectable"] += 1
+            self._event(step=self.step, layer=layer, section=sec, product=product, kind="uncorrectable",
+                        location=out.first, old=None, new=None, recomputed=out.recomputed)
+            if out.recomputed:
+                c["recomputed"] += 1
+
+
+# ---------------------------------------------------------------- LLaMA (trainguard.models.llama)
+
+def _llama_kernel(handle: ABFTHandle, layer: int):
+    from trainguard.models.llama import apply_rope
+
+    def kernel(module, x, cos, sin):
+        out, _ = protected_attention(
+            handle, layer, x, linear_proj(module.wq), linear_proj(module.wk), linear_proj(module.wv),
+            linear_proj(module.wo), n_heads=module.n_heads, head_dim=module.head_dim,
+            scale=1.0 / math.sqrt(module.head_dim), mask_fn=_causal_fill, rope=lambda t: apply_rope(t, cos, sin))
+        return out
+
+    return kernel
+
+
+def _causal_fill(scores: torch.Tensor) -> torch.Tensor:
+    tq, tk = scores.shape[-2], scores.shape[-1]
+    mask = torch.ones(tq, tk, dtype=torch.bool, device=scores.device).triu(tk - tq + 1)
+    return scores.masked_fill(mask, float("-inf"))
+
+
+def _protect_llama(model, handle: ABFTHandle) -> None:
+    for key, block in model.layers.items():
+        att = block.attention
+        handle._restore.append((att, att.kernel))
+        att.kernel = _llama_kernel(handle, int(key))
+        handle.n_layers += 1
+    handle.kind = "llama"
+
+
+def _unprotect_llama(handle: ABFTHandle) -> None:
+    for att, kernel in handle._restore:
+        att.kernel = kernel
+
+
+# ---------------------------------------------------------------- public
+
+def protect(model: nn.Module, config: ABFTConfig | None = None) -> ABFTHandle:
+    """Install protected attention on every attention module of ``model``; see the module docstring."""
+    cfg = (config or ABFTConfig()).validate()
+    if getattr(model, _ATTR, None) is not None:
+        raise TrainguardError("model is already ABFT-protected (call unprotect first)")
+    handle = ABFTHandle(model=model, cfg=cfg)
+    from trainguard.models.llama import LlamaModel
+
+    if isinstance(model, LlamaModel):
+        _protect_llama(model, handle)
+    else:
+        from trainguard.sdc.abft import hf
+
+        if not hf.is_supported(model):
+            raise TrainguardError(f"ABFT cannot protect a {type(model).__name__}: supported are trainguard "
+                                  f"LlamaModel and HF {', '.join(hf.SUPPORTED)} models")
+        hf.patch(model, handle)
+    if handle.n_layers == 0:
+        raise TrainguardError(f"ABFT found no attention layer to protect in {type(model).__name__}")
+    setattr(model, _ATTR, handle)
+    return handle
+
+
+def unprotect(model: nn.Module) -> None:
+    """Restore the original attention forwards exactly (no-op for an unprotected model)."""
+    handle = getattr(model, _ATTR, None)
+    if handle is None:
+        return
+    if handle.kind == "llama":
+        _unprotect_llama(handle)
+    else:
+        from trainguard.sdc.abft import hf
+
+        hf.unpatch(handle)
+    delattr(model, _ATTR)
+
+
+def handle_of(model: nn.Module) -> ABFTHandle | None:
+    return getattr(model, _ATTR, None)
+
+
+__all__ = ["ABFTConfig", "ABFTHandle", "protect", "unprotect", "handle_of", "section_due", "SECTIONS", "PRODUCTS"]
