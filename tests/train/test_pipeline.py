@@ -1,6 +1,7 @@
 """A 2-stage 1F1B pipeline run matches the single-process run with the same global batch."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +36,16 @@ def test_two_stage_pipeline_matches_single_process(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(Path(__file__).with_name("_pipeline_worker.py")), str(tmp_path), *OVERRIDES,
            "--distributed.pp", "2", "--distributed.microbatches", "4"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # A new session so a hung run is killed with its workers, not just the launcher.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("pipeline run hung (killed after 300 s)")
+    assert proc.returncode == 0, err[-3000:]
     stages = [torch.load(tmp_path / f"stage{i}.pt") for i in range(2)]
 
     trainer = Trainer(load_config(None, OVERRIDES))
