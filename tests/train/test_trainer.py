@@ -1,14 +1,12 @@
 """The Trainer loop: learning, grad accumulation, activation checkpointing, bf16, hooks, dispatch."""
 
 import contextlib
-import importlib.util
 import json
 
 import pytest
 import torch
 
 from conftest import tiny_cfg
-from trainguard.errors import TrainguardError
 from trainguard.train import Trainer, apply_activation_checkpointing
 from trainguard.train.activation_checkpoint import is_wrapped
 
@@ -139,11 +137,3 @@ def test_moe_trainer_adds_aux_loss(batches):
     assert t.model.aux_loss() is not None and r.finite
     router = t.model.layers["0"].feed_forward.router.weight
     assert router.grad is not None and router.grad.abs().sum() > 0
-
-
-@pytest.mark.skipif(importlib.util.find_spec("trainguard.train.pipeline") is not None,
-                    reason="pipeline module present (tested in its own file)")
-def test_pipeline_dispatch_without_module_is_clear_error(batches):
-    t = Trainer(tiny_cfg("--distributed.pp", "2"), batches=batches)
-    with pytest.raises(TrainguardError, match="pipeline"):
-        t.run()

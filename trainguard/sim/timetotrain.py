@@ -46,7 +46,7 @@ from trainguard.errors import TrainguardError
 from trainguard.failover.spare.controller import ReCtlr
 from trainguard.failover.spare.placement import check_supported, make_placement
 from trainguard.sim import theory
-from trainguard.sim.checkpoint_period import availability, optimal_period
+from trainguard.sim.checkpoint_period import optimal_period
 
 DAY = 86400.0
 

@@ -433,16 +433,10 @@ def _json_safe(d: Any) -> Any:
     return d
 
 
-def run_pipeline(cfg) -> RunSummary:
+def run_pipeline(cfg) -> dict:
     """Delegate a pipeline-parallel run (distributed.pp > 1) to trainguard.train.pipeline."""
-    try:
-        from trainguard.train.pipeline import run_pipeline as _run
-    except ImportError as err:
-        if "trainguard.train.pipeline" not in str(err):
-            raise
-        raise TrainguardError(
-            "pipeline parallelism (distributed.pp > 1) is not available: trainguard.train.pipeline is missing"
-        ) from None
+    from trainguard.train.pipeline import run_pipeline as _run
+
     return _run(cfg)
 
 

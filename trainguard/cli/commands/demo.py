@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import torch
 
 
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table

@@ -55,15 +55,6 @@ def run(args) -> int:
     from trainguard.train.launch import needs_launch, relaunch
 
     cfg = load_config(args.config, args.overrides)
-    if cfg.distributed.pp > 1:
-        import importlib.util
-
-        if importlib.util.find_spec("trainguard.train.pipeline") is None:
-            from trainguard.errors import TrainguardError
-
-            raise TrainguardError(
-                "pipeline parallelism (distributed.pp > 1) is not available: trainguard.train.pipeline is missing"
-            )
     if needs_launch(cfg):
         from trainguard.data import resolve_files
 
