@@ -1,0 +1,282 @@
+"""Inject faults anywhere in a training step and record each one.
+
+Sites:
+
+* ``OpSite``: the output of an ATen op chosen by name pattern (``fnmatch`` on ``aten.mm.default`` style
+  names), phase (``forward``, ``recompute``, ``backward``, ``optimizer`` or ``any``), occurrence number
+  among the matching ops of that phase within the step, and element index (``None``: seeded random).
+  One ``TorchDispatchMode`` active for the whole step sees every op, including those autograd runs in
+  ``loss.backward()`` and those inside ``optimizer.step()`` (DESIGN.md, checked on torch 2.13 CPU).
+* ``ModuleSite``: a module's output (forward hook), by module-name pattern and occurrence.
+* ``TensorSite``: a parameter (before the forward), a gradient or an optimizer-state tensor (after
+  backward, before the optimizer step), by name pattern.
+
+Phase tracking (why it is robust): ``backward`` is "inside an autograd graph task"
+(``torch._C._current_graph_task_id() != -1``), which holds for every op the engine runs, whatever the
+loss; ``recompute`` is set by the recompute context that ``checkpoint_context_fn()`` hands to
+``torch.utils.checkpoint`` (non-reentrant checkpointing replays the forward inside backward);
+``optimizer`` is set by the optimizer's step pre/post hooks; anything else in the step is ``forward``.
+
+Use with a Trainer: ``injector.attach(trainer)``; in a custom loop: ``injector.attach_model(model,
+optimizer)`` then ``with injector.step_context(step): ...`` around forward, backward and step.
+Relies on torch (``TorchDispatchMode``, module and optimizer hooks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainguard.errors import TrainguardError
+from trainguard.faults.bits import FaultModel, random_index
+
+PHASES = ("forward", "recompute", "backward", "optimizer", "any")
+
+
+@dataclass
+class OpSite:
+    pattern: str = "aten.mm*"
+    phase: str = "forward"
+    occurrence: int = 0
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise TrainguardError(f"unknown phase {self.phase!r} (choose from {', '.join(PHASES)})")
+        if self.occurrence < 0:
+            raise TrainguardError(f"occurrence must be >= 0, got {self.occurrence}")
+
+
+@dataclass
+class ModuleSite:
+    pattern: str = "*"  # module name in model.named_modules(), fnmatch
+    occurrence: int = 0
+
+
+@dataclass
+class TensorSite:
+    target: str = "param"  # param | grad | optimizer-state
+    pattern: str = "*"  # parameter name, fnmatch
+    state_key: str = "exp_avg"  # optimizer-state entry (AdamW: exp_avg, exp_avg_sq)
+
+    def __post_init__(self) -> None:
+        if self.target not in ("param", "grad", "optimizer-state"):
+            raise TrainguardError(f"unknown tensor site {self.target!r} (param, grad or optimizer-state)")
+
+
+Site = OpSite | ModuleSite | TensorSite
+
+
+@dataclass
+class Fault:
+    site: Site
+    model: FaultModel = field(default_factory=FaultModel)
+    step: int = 0  # the step in which to inject (each fault fires once)
+    index: int | None = None  # flat element index; None: drawn from the injector's seeded generator
+
+
+@dataclass
+class InjectionRecord:
+    step: int
+    site: str  # op | module | param | grad | optimizer-state
+    target: str  # op name, module name or tensor name
+    phase: str
+    occurrence: int
+    index: int
+    dtype: str
+    old: float
+    new: float
+    bit: int | None
+    kind: str
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("old", "new"):
+            d[k] = repr(d[k]) if d[k] != d[k] or d[k] in (float("inf"), float("-inf")) else d[k]
+        return d
+
+
+class _OpMode(TorchDispatchMode):
+    def __init__(self, injector: "Injector"):
+        super().__init__()
+        self.injector = injector
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.injector._on_op(func, out)
+        return out
+
+
+class Injector:
+    """Holds faults, fires each once at its site, and records what it did (``records``)."""
+
+    def __init__(self, faults: list[Fault] | Fault, seed: int = 0):
+        self.faults = [faults] if isinstance(faults, Fault) else list(faults)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.records: list[InjectionRecord] = []
+        self.fired: set[int] = set()
+        self.step: int | None = None
+        self._optimizer_phase = False
+        self._recompute_depth = 0
+        self._counts: dict[tuple[int, str], int] = {}
+        self._model: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._handles: list[Any] = []
+
+    # ---- wiring -------------------------------------------------------------------------------------
+    def attach(self, trainer) -> "Injector":
+        self.attach_model(trainer.model, trainer.optimizer)
+        trainer.step_contexts.append(self.step_context)
+        return self
+
+    def attach_model(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> "Injector":
+        self._model, self._optimizer = model, optimizer
+        names = dict(model.named_modules())
+        # Blocks wrapped by trainguard.train.activation_checkpoint: label their recompute's ops.
+        for m in names.values():
+            if hasattr(m, "_tg_ac_context_fn"):
+                m._tg_ac_context_fn = self.checkpoint_context_fn()
+        for i, f in enumerate(self.faults):
+            if isinstance(f.site, ModuleSite):
+                matched = [n for n in names if n and fnmatch.fnmatchcase(n, f.site.pattern)]
+                if not matched:
+                    raise TrainguardError(f"no module matches {f.site.pattern!r}")
+                for n in matched:
+                    self._handles.append(names[n].register_forward_hook(self._module_hook(i, n)))
+            if isinstance(f.site, TensorSite) and f.site.target != "param" and optimizer is None:
+                raise TrainguardError(f"a {f.site.target} site needs the optimizer (attach_model(model, optimizer))")
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
+            self._handles.append(optimizer.register_step_post_hook(self._post_step))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def step_context(self, step: int) -> Iterator[None]:
+        """Active around forward + backward + optimizer step of ``step``."""
+        self.step, self._counts = step, {}
+        self._fire_tensor_sites("param")
+        with _OpMode(self):
+            yield
+        self.step = None
+
+    def checkpoint_context_fn(self):
+        """For ``torch.utils.checkpoint(..., context_fn=...)``: labels the recompute's ops ``recompute``."""
+        return lambda: (contextlib.nullcontext(), self._recompute())
+
+    @contextlib.contextmanager
+    def _recompute(self) -> Iterator[None]:
+        self._recompute_depth += 1
+        try:
+            yield
+        finally:
+            self._recompute_depth -= 1
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Explicit phase for custom loops (``optimizer`` only; the others are detected)."""
+        if name != "optimizer":
+            yield
+            return
+        self._optimizer_phase = True
+        try:
+            yield
+        finally:
+            self._optimizer_phase = False
+
+    # ---- phase ----------------------------------------------------------------------------------------
+    def current_phase(self) -> str:
+        if self._optimizer_phase:
+            return "optimizer"
+        if self._recompute_depth:
+            return "recompute"
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "forward"
+
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        self._fire_tensor_sites("grad")
+        self._fire_tensor_sites("optimizer-state")
+        self._optimizer_phase = True
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        self._optimizer_phase = False
+
+    # ---- firing ---------------------------------------------------------------------------------------
+    def _due(self, i: int, f: Fault) -> bool:
+        return i not in self.fired and self.step is not None and f.step == self.step
+
+    def _corrupt(self, i: int, f: Fault, tensor: torch.Tensor, site: str, target: str, phase: str, occ: int) -> None:
+        index = f.index if f.index is not None else random_index(tensor, self.generator)
+        old, new, bit = f.model.apply(tensor, index, self.generator)
+        self.fired.add(i)
+        self.records.append(InjectionRecord(self.step, site, target, phase, occ, index, str(tensor.dtype).replace("torch.", ""),
+                                            old, new, bit, f.model.kind))
+
+    def _on_op(self, func, out) -> None:
+        if self.step is None or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return
+        name = str(func)  # e.g. "aten.mm.default"
+        phase = None
+        for i, f in enumerate(self.faults):
+            if not isinstance(f.site, OpSite) or not self._due(i, f):
+                continue
+            if not fnmatch.fnmatchcase(name, f.site.pattern):
+                continue
+            phase = phase or self.current_phase()
+            if f.site.phase not in ("any", phase):
+                continue
+            key = (i, phase if f.site.phase != "any" else "any")
+            occ = self._counts.get(key, 0)
+            self._counts[key] = occ + 1
+            if occ == f.site.occurrence and out.numel():
+                self._corrupt(i, f, out, "op", name, phase, occ)
+
+    def _module_hook(self, i: int, name: str):
+        def hook(module, inputs, output):
+            f = self.faults[i]
+            if not self._due(i, f) or not isinstance(output, torch.Tensor):
+                return None
+            key = (i, "module")
+            occ = self._counts.get(key, 0)
+            self._counts[key] = occ + 1
+            if occ == f.site.occurrence:
+                with torch.no_grad():
+                    self._corrupt(i, f, output, "module", name, self.current_phase(), occ)
+            return None
+
+        return hook
+
+    def _fire_tensor_sites(self, target: str) -> None:
+        if self._model is None:
+            return
+        for i, f in enumerate(self.faults):
+            if not isinstance(f.site, TensorSite) or f.site.target != target or not self._due(i, f):
+                continue
+            for pname, p in self._model.named_parameters():
+                if not fnmatch.fnmatchcase(pname, f.site.pattern):
+                    continue
+                if target == "param":
+                    tensor = p
+                elif target == "grad":
+                    tensor = p.grad
+                else:
+                    tensor = self._optimizer.state.get(p, {}).get(f.site.state_key) if self._optimizer else None
+                if tensor is None or not torch.is_tensor(tensor) or not tensor.is_floating_point():
+                    continue
+                with torch.no_grad():
+                    self._corrupt(i, f, tensor, target, pname if target != "optimizer-state" else f"{pname}.{f.site.state_key}",
+                                  "optimizer" if target != "param" else "forward", 0)
+                break
+
+    def unfired(self) -> list[Fault]:
+        """Faults whose site was never reached (a campaign reports these, never drops them silently)."""
+        return [f for i, f in enumerate(self.faults) if i not in self.fired]
