@@ -1,0 +1,125 @@
+"""Injection reaches forward, recompute, backward and optimizer ops, modules, params, grads and
+optimizer state, and each injection is recorded; the corruption is visible downstream."""
+
+import math
+
+import pytest
+import torch
+
+from trainguard.config import load_config
+from trainguard.errors import TrainguardError
+from trainguard.faults import Fault, FaultModel, Injector, ModuleSite, OpSite, TensorSite
+from trainguard.train import Trainer
+
+SMALL = ["--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "2", "--model.ffn_hidden", "64",
+         "--data.seq_len", "16", "--data.batch_size", "4", "--data.max_bytes", "200000", "--train.steps", "3",
+         "--train.eval_every", "0", "--output.dir", "", "--output.progress", "false", "--train.grad_clip", "0"]
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return Trainer(load_config(None, SMALL)).batches
+
+
+def trainer(batches, *extra):
+    return Trainer(load_config(None, SMALL + list(extra)), batches=batches)
+
+
+def run(batches, fault, *extra, steps=1):
+    t = trainer(batches, *extra)
+    inj = Injector(fault, seed=3).attach(t)
+    results = [t.train_step() for _ in range(steps)]
+    return t, inj, results
+
+
+def nonfinite(tensors):
+    return any(not bool(torch.isfinite(x).all()) for x in tensors)
+
+
+def test_forward_op_nan_reaches_loss(batches):
+    t, inj, (r,) = run(batches, Fault(OpSite("aten.mm*", "forward", 2), FaultModel("nan")))
+    (rec,) = inj.records
+    assert rec.phase == "forward" and rec.site == "op" and rec.target.startswith("aten.mm")
+    assert rec.occurrence == 2 and math.isnan(rec.new) and rec.step == 0
+    assert math.isnan(r.loss)
+
+
+def test_backward_op_nan_reaches_grads_not_loss(batches):
+    t, inj, (r,) = run(batches, Fault(OpSite("aten.mm*", "backward", 1), FaultModel("nan")))
+    (rec,) = inj.records
+    assert rec.phase == "backward"
+    assert math.isfinite(r.loss)  # the loss was computed before the fault
+    assert nonfinite(p for p in t.model.parameters())  # the NaN gradient poisoned the update
+
+
+def test_optimizer_op_fault_reaches_params_only_through_the_update(batches):
+    fault = Fault(OpSite("aten.*", "optimizer", 0), FaultModel("inf"), step=0)
+    t, inj, (r,) = run(batches, fault)
+    (rec,) = inj.records
+    assert rec.phase == "optimizer"
+    assert math.isfinite(r.loss) and math.isfinite(r.grad_norm)
+
+
+def test_recompute_ops_are_labelled_and_reachable(batches):
+    t, inj, (r,) = run(batches, Fault(OpSite("aten.mm*", "recompute", 0), FaultModel("nan")),
+                       "--train.activation_checkpoint", "full")
+    (rec,) = inj.records
+    assert rec.phase == "recompute"
+    assert math.isfinite(r.loss) and nonfinite(p for p in t.model.parameters())
+
+
+def test_recompute_phase_absent_without_checkpointing(batches):
+    t, inj, _ = run(batches, Fault(OpSite("aten.mm*", "recompute", 0), FaultModel("nan")))
+    assert inj.records == [] and len(inj.unfired()) == 1
+
+
+def test_occurrence_counts_matching_ops_of_the_phase(batches):
+    seen = []
+    for occ in range(3):
+        _, inj, _ = run(batches, Fault(OpSite("aten.mm*", "forward", occ), FaultModel("value", value=1.0), index=0))
+        seen.append(inj.records[0].old)
+    assert len(set(seen)) == 3  # three different products were hit
+
+
+def test_fault_fires_only_at_its_step(batches):
+    t, inj, rs = run(batches, Fault(OpSite("aten.mm*", "forward", 0), FaultModel("nan"), step=1), steps=3)
+    assert [r.step for r in inj.records] == [1]
+    assert math.isfinite(rs[0].loss) and math.isnan(rs[1].loss)
+
+
+def test_module_param_grad_and_optimizer_state_sites(batches):
+    _, inj, (r,) = run(batches, Fault(ModuleSite("layers.0.attention.wq"), FaultModel("nan")))
+    assert inj.records[0].site == "module" and inj.records[0].target == "layers.0.attention.wq" and math.isnan(r.loss)
+
+    t, inj, (r,) = run(batches, Fault(TensorSite("param", "output.weight"), FaultModel("inf"), index=5))
+    assert inj.records[0].site == "param" and not math.isfinite(r.loss)
+
+    t, inj, (r,) = run(batches, Fault(TensorSite("grad", "norm.weight"), FaultModel("nan"), index=0))
+    assert inj.records[0].site == "grad" and math.isfinite(r.loss)
+    assert math.isnan(float(t.model.norm.weight[0].detach()))
+
+    fault = Fault(TensorSite("optimizer-state", "norm.weight", "exp_avg_sq"), FaultModel("value", value=-1.0), step=1, index=0)
+    t, inj, _ = run(batches, fault, steps=2)
+    rec = inj.records[0]
+    assert rec.site == "optimizer-state" and rec.target == "norm.weight.exp_avg_sq" and rec.new == -1.0
+    assert math.isnan(float(t.model.norm.weight[0].detach()))  # sqrt of a negative second moment
+
+
+def test_records_are_complete_and_json_ready(batches):
+    import json
+
+    _, inj, _ = run(batches, Fault(OpSite("aten.mm*", "forward", 0), FaultModel("bitflip", field="exponent")))
+    d = inj.records[0].to_dict()
+    assert set(d) >= {"step", "site", "target", "phase", "occurrence", "index", "dtype", "old", "new", "bit"}
+    assert d["dtype"] == "float32" and 23 <= d["bit"] <= 30
+    json.dumps(d)
+
+
+def test_unknown_module_or_missing_optimizer_is_refused(batches):
+    t = trainer(batches)
+    with pytest.raises(TrainguardError):
+        Injector(Fault(ModuleSite("no.such.module"))).attach(t)
+    with pytest.raises(TrainguardError):
+        Injector(Fault(TensorSite("grad", "*"))).attach_model(t.model)
+    with pytest.raises(TrainguardError):
+        OpSite("aten.mm*", "sideways")
