@@ -69,3 +69,22 @@ def progress(**kwargs):
         transient=kwargs.pop("transient", False),
         **kwargs,
     )
+
+
+def pick_threads(n: int = 0) -> None:
+    """Set torch's intra-op threads: ``n`` if > 0; else, on a small machine that is already busy, one
+    thread (OpenMP threads competing with other processes for 2 cores made steps ~8x slower)."""
+    import os
+
+    import torch
+
+    if n > 0:
+        torch.set_num_threads(n)
+        return
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = 0.0
+    if cores <= 4 and load >= 0.75 * cores:
+        torch.set_num_threads(1)

@@ -10,13 +10,12 @@ Relies on torch and rich.
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
 
 
-from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
+from trainguard.cli.output import add_json_flag, console, emit_json, err_console, pick_threads, table
 
 
 def register(subparsers) -> None:
@@ -48,21 +47,6 @@ def register(subparsers) -> None:
         hook = getattr(mod, "register_bench", None)
         if hook is not None:
             hook(sub)
-
-
-def _threads(n: int) -> None:
-    import torch
-
-    if n > 0:
-        torch.set_num_threads(n)
-        return
-    cores = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = 0.0
-    if cores <= 4 and load >= 0.75 * cores:
-        torch.set_num_threads(1)
 
 
 def bench_train(model: str = "llama-tiny", steps: int = 40, rounds: int = 5, warmup: int = 3, batch: int = 8,
@@ -146,7 +130,7 @@ def bench_train(model: str = "llama-tiny", steps: int = 40, rounds: int = 5, war
 
 
 def run_train(args) -> int:
-    _threads(args.threads)
+    pick_threads(args.threads)
     out = err_console if args.json else console
     out.print(f"bench train: {args.model}, batch {args.batch} x {args.seq_len}, {args.rounds} rounds "
               f"of {max(1, args.steps // args.rounds)} steps per side ...")

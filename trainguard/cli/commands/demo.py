@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 
-from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
+from trainguard.cli.output import add_json_flag, console, emit_json, err_console, pick_threads, table
 
 DEMO_OVERRIDES = [
     "--model.preset", "llama-tiny",
@@ -159,7 +159,7 @@ def run(args) -> int:
     if args.steps < 4:
         raise ConfigError(f"--steps must be >= 4, got {args.steps}")
     out = err_console if args.json else console
-    _pick_threads()
+    pick_threads()
     protect = _abft_protect()
     t0 = time.perf_counter()
     out.print(f"[bold]trainguard demo[/bold]: llama-tiny, {args.steps} steps, batch 8 x 128 byte tokens, CPU. "
@@ -203,22 +203,6 @@ def run(args) -> int:
         emit_json({"steps": args.steps, "inject_step": args.steps // 2, "abft_available": protect is not None,
                    "runs": runs, "wall_s": round(wall, 2)})
     return 0
-
-
-def _pick_threads() -> None:
-    """On a small, busy machine one intra-op thread is several times faster than OpenMP threads
-    competing with other processes for the same cores."""
-    import os
-
-    cores = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = 0.0
-    if cores <= 4 and load >= 0.75 * cores:
-        import torch
-
-        torch.set_num_threads(1)
 
 
 def _show(v):
