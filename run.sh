@@ -36,6 +36,7 @@ setup_simgrid() {
     local so
     so=$(ls /usr/lib/python3/dist-packages/simgrid*.so 2>/dev/null | head -n1 || true)
     if [[ -z "$so" && $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+        export DEBIAN_FRONTEND=noninteractive
         (apt-get install -y -qq python3-simgrid >/dev/null 2>&1 \
             || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq python3-simgrid >/dev/null 2>&1; }) || return 1
         so=$(ls /usr/lib/python3/dist-packages/simgrid*.so 2>/dev/null | head -n1 || true)
