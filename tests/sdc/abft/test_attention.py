@@ -1,6 +1,5 @@
 """Protected attention on trainguard's LLaMA: equality, injection in forward and backward, frequencies."""
 
-import math
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ from trainguard.models import build_model, lm_loss
 from trainguard.sdc.abft import (BACKWARD_PRODUCTS, PRODUCTS, SECTIONS, ABFTConfig, protect, section_due,
                                  unprotect)
 from trainguard.sdc.abft.attention import linear_proj, protected_attention
+from _hooks import OneShot
 
 VALUES = {"inf": float("inf"), "nan": float("nan"), "ninf": 1e20}
 
@@ -29,23 +29,6 @@ def _step(m, x):
     out = m(x)
     lm_loss(out, x).backward()
     return out.detach(), _grads(m)
-
-
-class OneShot:
-    """Inject ``value`` once at a random position of ``product`` in ``layer``."""
-
-    def __init__(self, layer, product, value, seed=0):
-        self.layer, self.product, self.value, self.done = layer, product, value, False
-        self.g = torch.Generator().manual_seed(seed)
-
-    def __call__(self, layer, product, t):
-        if self.done or layer != self.layer or product != self.product:
-            return None
-        self.done = True
-        i = int(torch.randint(0, t.numel(), (1,), generator=self.g))
-        out = t.clone()
-        out.view(-1)[i] = self.value
-        return out
 
 
 def test_api_constants():

@@ -8,6 +8,7 @@ import torch
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.abft import PRODUCTS, ABFTConfig, protect, unprotect
 from trainguard.sdc.abft.hf import build_hf_model
+from _hooks import OneShot
 
 warnings.filterwarnings("ignore")
 MODELS = ("gpt2", "bert", "gpt-neo", "roberta")
@@ -27,19 +28,6 @@ def _step(m, x, am):
     out = m(input_ids=x, attention_mask=am).logits
     out.float().logsumexp(-1).mean().backward()
     return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-
-
-class OneShot:
-    def __init__(self, layer, product, value, seed):
-        self.layer, self.product, self.value, self.done = layer, product, value, False
-        self.g = torch.Generator().manual_seed(seed)
-
-    def __call__(self, layer, product, t):
-        if self.done or layer != self.layer or product != self.product:
-            return None
-        self.done = True
-        t.view(-1)[int(torch.randint(0, t.numel(), (1,), generator=self.g))] = self.value
-        return None
 
 
 @pytest.mark.parametrize("name", MODELS)
