@@ -57,6 +57,9 @@ def test_plan_cluster(capsys, tmp_path):
     ["spare", "simulate", "--groups", "16", "--scheme", "spare", "--redundancy", "13", "--json"],
     ["plan", "cluster", "--gpus", "100", "--gpus-per-group", "200", "--mtbf-per-gpu-hours", "10",
      "--restart-minutes", "1", "--checkpoint-minutes", "1", "--json"],
+    ["spare", "run", "--groups", "4", "--kill", "9@2", "--json"],
+    ["spare", "run", "--groups", "4", "--kill", "1@two", "--json"],
+    ["spare", "run", "--groups", "4", "--redundancy", "3", "--json"],
 ])
 def test_bad_input_exit_2_one_line(capsys, argv):
     assert main(argv) == 2
@@ -69,3 +72,14 @@ def test_subprocess_bad_choice_exit_2():
                            "raid"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_spare_run_json_kills_a_group_and_matches_the_fault_free_run(capsys):
+    argv = ["spare", "run", "--groups", "4", "--redundancy", "2", "--steps", "4", "--tiny", "--seq-len", "16",
+            "--kill", "2@1", "--verify", "--json"]
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert d["killed_groups"] == 1 and d["global_restarts"] == 0 and d["survivors"] == [0, 1, 3]
+    assert d["patch_computes"] == 1 and [lg["stack"] for lg in d["step_logs"]] == [1, 1, 2, 2]
+    assert d["max_param_diff_vs_fault_free"] < 1e-5

@@ -9,6 +9,8 @@ Subcommands:
 * ``simulate --groups N --scheme {spare,replication,checkpoint} --redundancy R --seed S`` -- time-to-train
   (``--backend simgrid`` runs the same model on SimGrid 3.32); JSON keys ``time_to_train_days``,
   ``availability``, ``mean_stacks_per_step``, ``global_restarts``.
+* ``run --groups N --redundancy R --kill G@STEP ...`` -- real training with stacked shards on torchft
+  (:mod:`trainguard.cli.commands._spare_run`).
 * ``compare --groups N --seeds K`` -- all schemes over r, best r of each, gain of SPARe+CKPT over Rep+CKPT
   (the paper's Table 2); ``--out DIR`` writes figures.
 """
@@ -168,7 +170,7 @@ def cmd_compare(args) -> int:
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("spare", help="SPARe Monte-Carlo, theory and time-to-train simulation")
+    parser = subparsers.add_parser("spare", help="SPARe: Monte-Carlo, theory, time-to-train simulation and the torchft runtime")
     sub = parser.add_subparsers(dest="spare_command", metavar="SUBCOMMAND", parser_class=type(parser))
     parser.set_defaults(handler=lambda a: (parser.print_help(), 2)[1])
 
@@ -209,3 +211,7 @@ def register(subparsers) -> None:
     _add_cluster_args(co)
     add_json_flag(co)
     co.set_defaults(handler=cmd_compare)
+
+    from trainguard.cli.commands._spare_run import add_run_parser
+
+    add_run_parser(sub)
