@@ -69,14 +69,18 @@ class ClusterParams:
     restart_s: float = 1800.0
     # Checkpoint save (async / in-memory, Gemini; Wang et al. 2023): 1 min.
     checkpoint_s: float = 60.0
-    # One stack (one data shard per group) of compute: 1 min; 1440 steps -> 1 day of single-stack
-    # compute (the paper's base time-to-train scale; all schemes share it).
-    stack_compute_s: float = 60.0
-    base_steps: int = 1440
-    # Ring all-reduce across the N groups, linear in N (paper Sec. 5.1): 13.2 ms per group, i.e. 2.6 s at
-    # N=200 and 13.2 s at N=1000. Calibrated so the stack-count ratios of the paper's Table 2 hold
+    # One stack (one data shard per group) of compute: 10 s, 8640 steps -> 1 day of single-stack compute
+    # (the paper's base time-to-train scale; all schemes share it). The step time sets how many failures
+    # land in one step, hence how often SPARe pays a patch stack. Llama 3 405B (Dubey et al. 2024, Sec. 3.3):
+    # 16M-token batches on 16,384 H100 at ~400 TFLOP/s each -> 6 * 405e9 * 16e6 / (16384 * 400e12) = 5.9 s
+    # per step; 10 s is that order. (An earlier default of 60 s gave 2.27 stacks per step at N = 1000 where
+    # the paper's Table 2 implies ~2.04, and 36-42% gains; see docs/spare.md.)
+    stack_compute_s: float = 10.0
+    base_steps: int = 8640
+    # Ring all-reduce across the N groups, linear in N (paper Sec. 5.1): 2.2 ms per group, i.e. 0.44 s at
+    # N=200 and 2.2 s at N=1000. Calibrated so the stack-count ratios of the paper's Table 2 hold
     # (all-reduce = 0.22 x stack compute at N = 1000).
-    allreduce_per_group_s: float = 0.0132
+    allreduce_per_group_s: float = 0.0022
     failed_allreduce_frac: float = 0.5   # paper: a failed all-reduce takes half a successful one
     shrink_s: float = 1.0                # communicator shrink (Bland et al. 2015: tens of ms; conservative)
     controller_s: float = 1.0            # ReCtlr, paper App. D "conservatively 1 s"

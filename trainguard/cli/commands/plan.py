@@ -32,13 +32,18 @@ def _check(name: str, v: float, lo: float = 0.0, strict: bool = True) -> None:
 
 
 def plan_cluster(gpus: int, gpus_per_group: int, mtbf_gpu_h: float, restart_min: float, ckpt_min: float,
-                 stack_s: float = 60.0, steps: int = 1440, allreduce_per_group_s: float = 0.0132,
+                 stack_s: float | None = None, steps: int | None = None,
+                 allreduce_per_group_s: float | None = None,
                  simulate: bool = False, seeds: int = 1, weibull_shape: float = 0.7) -> dict:
     """Theory (and optionally simulation) for every r; the recommendation is the theory's argmin."""
     from trainguard.failover.spare.placement import max_supported_redundancy
     from trainguard.sim import theory
     from trainguard.sim.timetotrain import ClusterParams, simulate_many
 
+    dflt = ClusterParams()  # step-time defaults and their sources live there
+    stack_s = dflt.stack_compute_s if stack_s is None else stack_s
+    steps = dflt.base_steps if steps is None else steps
+    allreduce_per_group_s = dflt.allreduce_per_group_s if allreduce_per_group_s is None else allreduce_per_group_s
     n = gpus // gpus_per_group
     if n < 2:
         raise TrainguardError(f"{gpus} GPUs in groups of {gpus_per_group} give {n} data-parallel group(s); need >= 2")
@@ -88,7 +93,10 @@ def cmd_cluster(args) -> int:
     _check("mtbf-per-gpu-hours", args.mtbf_per_gpu_hours)
     _check("restart-minutes", args.restart_minutes, strict=False)
     _check("checkpoint-minutes", args.checkpoint_minutes)
-    _check("stack-seconds", args.stack_seconds)
+    if args.stack_seconds is not None:
+        _check("stack-seconds", args.stack_seconds)
+    if args.steps is not None:
+        _check("steps", args.steps)
     if args.gpus_per_group > args.gpus:
         raise TrainguardError(f"--gpus-per-group {args.gpus_per_group} exceeds --gpus {args.gpus}")
     res = plan_cluster(args.gpus, args.gpus_per_group, args.mtbf_per_gpu_hours, args.restart_minutes,
@@ -146,8 +154,10 @@ def register(subparsers) -> None:
                    help="per-GPU MTBF (Llama 3: 54*24*16384/419 = 50680 h)")
     c.add_argument("--restart-minutes", type=float, required=True, help="global restart cost")
     c.add_argument("--checkpoint-minutes", type=float, required=True, help="checkpoint save time")
-    c.add_argument("--stack-seconds", type=float, default=60.0, help="compute time of one stack (one shard per group)")
-    c.add_argument("--steps", type=int, default=1440, help="training steps (failure-free time = steps x step time)")
+    c.add_argument("--stack-seconds", type=float, default=None,
+                   help="compute time of one stack (one shard per group); default 10 s, see docs/spare.md")
+    c.add_argument("--steps", type=int, default=None,
+                   help="training steps (failure-free time = steps x step time); default 8640 (1 day of 10 s stacks)")
     c.add_argument("--weibull-shape", type=float, default=0.7, help="for --simulate")
     c.add_argument("--simulate", action="store_true", help="add the discrete-event simulation (slower)")
     c.add_argument("--seeds", type=int, default=1, help="event trails per (scheme, r) with --simulate")
