@@ -133,10 +133,7 @@ class ElasticGroup:
         return bool(self.manager.should_commit())
 
     def shutdown(self) -> None:
-        try:
-            self.manager.shutdown(wait=False)
-        finally:
-            pass
+        self.manager.shutdown(wait=False)
 
 
 def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:

@@ -214,7 +214,7 @@ def _group_main(g: int, cfg: SpareRunConfig, lighthouse: str, resume: str | None
         grp.manager.load_state_dict({"step": start, "batches_committed": 0})
         kills = {k.step: k.when for k in cfg.kills if k.group == g and k.step >= start}
         ckpt = Path(cfg.run_dir) / "checkpoint.pt"
-        barrier.wait()
+        barrier.wait(timeout=300)  # every group is heartbeating before step 0 (a broken start fails loudly)
 
         def die(step: int, when: str) -> None:
             queue.put(("killed", g, {"step": step, "when": when}))
@@ -401,11 +401,18 @@ def run_spare(cfg: SpareRunConfig, progress=None) -> SpareRunResult:
                 p.start()
             wiped = None
             reported: set[int] = set()
+            last_news = time.monotonic()
+            # no report from any group for this long means the survivors are stuck: stop, do not hang
+            patience = 3 * cfg.timeout_s + 60
             try:
                 while len(reported) < cfg.groups:
                     try:
                         kind, g, info = queue.get(timeout=1.0)
+                        last_news = time.monotonic()
                     except queue_mod.Empty:
+                        if time.monotonic() - last_news > patience:
+                            raise TrainguardError(f"spare run: no group reported for {patience:.0f} s "
+                                                  f"(groups still running: {sorted(set(range(cfg.groups)) - reported)})")
                         for gi, p in enumerate(procs):  # a group that died without a word is a failure too
                             if gi not in reported and not p.is_alive():
                                 reported.add(gi)
