@@ -25,6 +25,7 @@ cache). Anything else raises :class:`trainguard.errors.ShapeError`; nothing is s
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -50,17 +51,54 @@ for _p, (_ga, _gb) in BACKWARD_PRODUCTS.items():
     SECTION_OF[_ga] = SECTION_OF[_gb] = SECTION_OF[_p]
 
 
+class _Spec:
+    """What one protected GEMM computes: ``parts`` = ((product, lo, hi, check_backward), ...), the products as
+    column blocks ``[lo, hi)`` of the output (``lo = None``: the whole output is one product). A fused QKV
+    projection has three parts."""
+
+    __slots__ = ("rt", "layer", "parts")
+
+    def __init__(self, rt, layer: int, parts: tuple):
+        self.rt, self.layer, self.parts = rt, layer, parts
+
+
+def _any(checks) -> torch.Tensor:
+    """One flag for several pending checks (evaluating it is the one host sync)."""
+    if len(checks) == 1:
+        return checks[0].any()
+    return torch.stack([c.any() for c in checks]).any()
+
+
+def _resolve_parts(rt, layer: int, checks) -> set:
+    """Slow path: resolve every flagged product of ``checks`` = [(GemmCheck, [(product, lo, hi), ...])];
+    returns the products corrected (or recomputed)."""
+    changed = set()
+    for chk, subs in checks:
+        if not bool(chk.any()):
+            continue
+        for product, lo, hi in subs:
+            sub = chk if lo is None else chk.columns(lo, hi)
+            if bool(sub.any()):
+                rt.record(layer, product, cks.resolve(sub, **rt.resolve_kw()))
+                changed.add(product)
+    return changed
+
+
 class ProtectedMatmul(torch.autograd.Function):
     """``a @ b + bias`` whose backward GEMMs go through fault hooks and (optionally) ABFT checks.
 
-    ``b`` is (k, n) (a weight, shared over the batch) or (..., k, n). ``meta`` = (runtime, layer, product,
-    check_backward).
+    ``b`` is (k, n) (a weight, shared over the batch) or (..., k, n); ``spec`` is a :class:`_Spec`. For a
+    fused product (several parts), the weight gradient ``A^T dC`` is one GEMM whose column blocks are the
+    parts' weight gradients (each block fires its own hook; one check covers the blocks that are due, and a
+    flag is resolved block by block); the input gradient ``dC B^T`` is one GEMM (the sum over the parts):
+    the hooks of every part's input gradient see it, and it is verified (and counted) once, under the
+    first due part's name.
     """
 
     @staticmethod
-    def forward(ctx, a, b, bias, meta):
+    def forward(ctx, a, b, bias, spec):
         ctx.save_for_backward(a, b)
-        ctx.meta = meta
+        ctx.spec = spec
         ctx.has_bias = bias is not None
         if bias is not None and b.dim() == 2:
             out = torch.empty(*a.shape[:-1], b.shape[-1], dtype=a.dtype, device=a.device)
@@ -72,16 +110,20 @@ class ProtectedMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        rt, layer, product, check = ctx.meta
-        name_a, name_b = BACKWARD_PRODUCTS[product]
+        spec = ctx.spec
+        rt, layer, parts = spec.rt, spec.layer, spec.parts
+        due = [p for p in parts if p[3]]
+        fac = rt.cfg.tolerance_factor
         ga = gb = gbias = None
         g = g if g.dtype == a.dtype else g.to(a.dtype)
+        checks = []
         if ctx.needs_input_grad[0]:
             bt = b.transpose(-1, -2)
             ga = torch.matmul(g, bt)
-            rt.fire(layer, name_a, ga)
-            if check:
-                rt.verify(layer, name_a, cks.detect(ga, g, bt, factor=rt.cfg.tolerance_factor))
+            for p in parts:
+                rt.fire(layer, BACKWARD_PRODUCTS[p[0]][0], ga)
+            if due:
+                checks.append((cks.detect(ga, g, bt, factor=fac), [(BACKWARD_PRODUCTS[due[0][0]][0], None, None)]))
         if ctx.needs_input_grad[1]:
             if b.dim() == 2 and a.dim() > 2:
                 at = a.reshape(-1, a.shape[-1]).transpose(0, 1)
@@ -89,11 +131,20 @@ class ProtectedMatmul(torch.autograd.Function):
             else:
                 at, gf = a.transpose(-1, -2), g
             gb = torch.matmul(at, gf)
-            rt.fire(layer, name_b, gb)
-            if check:
-                rt.verify(layer, name_b, cks.detect(gb, at, gf, factor=rt.cfg.tolerance_factor))
+            for p, plo, phi, _ in parts:
+                rt.fire(layer, BACKWARD_PRODUCTS[p][1], gb if plo is None else gb[..., plo:phi])
+            if due:
+                lo, hi = due[0][1], due[-1][2]
+                if lo is None or (lo == 0 and hi == gb.shape[-1]):
+                    chk = cks.detect(gb, at, gf, factor=fac)
+                else:
+                    chk = cks.detect(gb[..., lo:hi], at, gf[..., lo:hi], factor=fac)
+                checks.append((chk, [(BACKWARD_PRODUCTS[p][1], None if plo is None else plo - (lo or 0),
+                                      None if plo is None else phi - (lo or 0)) for p, plo, phi, _ in due]))
             if gb.dim() > b.dim():
                 gb = gb.sum(tuple(range(gb.dim() - b.dim())))
+        if checks and bool(_any([c for c, _ in checks])):
+            _resolve_parts(rt, layer, checks)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gbias = g.reshape(-1, g.shape[-1]).sum(0)
         return ga, gb, gbias, None
@@ -127,25 +178,45 @@ def _heads_vec(v: torch.Tensor, h: int, d: int) -> torch.Tensor:
     return v.view(v.shape[0], 1, h, d).transpose(1, 2)
 
 
-def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj, pv: _Proj, po: _Proj, *,
-                        n_heads: int, head_dim: int, scale: float,
+@functools.lru_cache(maxsize=16)
+def causal_bias(tq: int, tk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive causal mask (tq, tk): 0 where query i may attend key j (j <= i + tk - tq), -inf elsewhere.
+    Cached (read-only: it is only ever an operand)."""
+    m = torch.ones(tq, tk, dtype=torch.bool, device=device).triu(tk - tq + 1)
+    return torch.zeros(tq, tk, dtype=dtype, device=device).masked_fill_(m, float("-inf"))
+
+
+def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | None, pv: _Proj | None,
+                        po: _Proj, *, n_heads: int, head_dim: int, scale: float,
                         mask_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                        bias_fn: Callable | None = None,
                         rope: Callable[[torch.Tensor], torch.Tensor] | None = None,
                         kv_update: Callable | None = None, dropout_p: float = 0.0,
                         upcast_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``x`` (B, T, D) with every GEMM protected; returns (output (B, T, D), probs).
 
-    ``mask_fn`` maps scaled scores to masked scores; ``rope`` rotates (B, H, T, d) Q/K; ``kv_update``
-    maps (k, v) heads to the full (cached) k, v; ``upcast_scores`` computes ``Q K^T`` in fp32.
+    ``pk = pv = None``: ``pq`` is a fused QKV projection (weight (D, 3 H d), columns q | k | v, as GPT-2's
+    ``c_attn``): one GEMM and one check for the three products. ``bias_fn(tq, tk, dtype, device)`` returns
+    an additive mask broadcastable to the scores (or None), added as ``bias + scale * scores`` (one fused
+    op); ``mask_fn`` (used if no ``bias_fn``) maps scaled scores to masked scores. ``rope`` rotates
+    (B, H, T, d) Q/K; ``kv_update`` maps (k, v) heads to the full (cached) k, v; ``upcast_scores``
+    computes ``Q K^T`` in fp32.
     """
     if x.dim() != 3:
         raise ShapeError(f"protected attention expects (batch, seq, hidden) input, got shape {tuple(x.shape)}")
     bsz, t, dim = x.shape
     hd = n_heads * head_dim
-    for name, p in (("q", pq), ("k", pk), ("v", pv)):
-        if p.w.dim() != 2 or p.w.shape[0] != dim or p.w.shape[1] != hd:
-            raise ShapeError(f"protected attention: {name} projection weight {tuple(p.w.shape)} does not map "
-                             f"hidden {dim} to heads*head_dim {hd}")
+    fused = pk is None and pv is None
+    if fused:
+        if pq.w.dim() != 2 or pq.w.shape[0] != dim or pq.w.shape[1] != 3 * hd:
+            raise ShapeError(f"protected attention: fused qkv projection weight {tuple(pq.w.shape)} does not map "
+                             f"hidden {dim} to 3*heads*head_dim {3 * hd}")
+    else:
+        for name, p in (("q", pq), ("k", pk), ("v", pv)):
+            if p is None or p.w.dim() != 2 or p.w.shape[0] != dim or p.w.shape[1] != hd:
+                raise ShapeError(f"protected attention: {name} projection weight "
+                                 f"{None if p is None else tuple(p.w.shape)} does not map hidden {dim} to "
+                                 f"heads*head_dim {hd}")
     if po.w.dim() != 2 or po.w.shape[0] != hd:
         raise ShapeError(f"protected attention: output projection weight {tuple(po.w.shape)} does not take {hd}")
     if t == 0 or bsz == 0:
@@ -158,8 +229,8 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj, p
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
 
-    def cast(p: _Proj) -> _Proj:
-        if p.w.dtype == dtype and (p.bias is None or p.bias.dtype == dtype):
+    def cast(p: _Proj | None) -> _Proj | None:
+        if p is None or (p.w.dtype == dtype and (p.bias is None or p.bias.dtype == dtype)):
             return p
         return _Proj(p.w.to(dtype), p.bias.to(dtype) if p.bias is not None else None)
 
@@ -168,25 +239,49 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj, p
         pq, pk, pv, po = cast(pq), cast(pk), cast(pv), cast(po)
 
         def mm(a, b, bias, product, sec_due):
-            out = ProtectedMatmul.apply(a, b, bias, (rt, layer, product, bwd and sec_due))
+            out = ProtectedMatmul.apply(a, b, bias, _Spec(rt, layer, ((product, None, None, bwd and sec_due),)))
             rt.fire(layer, product, out)
             return out
 
-        # ---- section AS: X W^Q, X W^K, Q K^T  (and the V projection of section CL)
-        x_col = x_rn = None
-        if due_as or due_cl:
-            x_col, x_rn = cks.encode(x)
-        q = mm(x, pq.w, pq.bias, "q", due_as)
-        k = mm(x, pk.w, pk.bias, "k", due_as)
-        v = mm(x, pv.w, pv.bias, "v", due_cl)
-        chk = {}
-        if due_as:
-            chk["q"] = cks.detect(q, x, pq.w, pq.bias, a_col=x_col, a_rn=x_rn, factor=fac)
-            chk["k"] = cks.detect(k, x, pk.w, pk.bias, a_col=x_col, a_rn=x_rn, factor=fac)
-        if due_cl:
-            chk["v"] = cks.detect(v, x, pv.w, pv.bias, a_col=x_col, a_rn=x_rn, factor=fac)
+        # ---- projections: X W^Q, X W^K (section AS), X W^V (section CL)
+        proj_checks = []   # [(GemmCheck, [(product, lo, hi)])]
+        k_col = None       # verified column checksum of K, (B, 1, H d)
+        if fused:
+            blocks = (("q", 0, hd, due_as), ("k", hd, 2 * hd, due_as), ("v", 2 * hd, 3 * hd, due_cl))
+            qkv = ProtectedMatmul.apply(x, pq.w, pq.bias,
+                                        _Spec(rt, layer, tuple((p, lo, hi, bwd and d) for p, lo, hi, d in blocks)))
+            for p, lo, hi, _ in blocks:
+                rt.fire(layer, p, qkv[..., lo:hi])
+            q, k, v = qkv[..., :hd], qkv[..., hd:2 * hd], qkv[..., 2 * hd:]
+            if due_as or due_cl:
+                # one check of the fused product over the column block that is due (q|k, v or all)
+                lo, hi = (0 if due_as else 2 * hd), (3 * hd if due_cl else 2 * hd)
+                whole = lo == 0 and hi == 3 * hd
+                chk = cks.detect(qkv if whole else qkv[..., lo:hi], x, pq.w if whole else pq.w[:, lo:hi],
+                                 pq.bias if whole or pq.bias is None else pq.bias[lo:hi], factor=fac)
+                proj_checks.append((chk, [(p, plo - lo, phi - lo) for p, plo, phi, d in blocks if d]))
+                if due_as:
+                    k_col = chk.col[..., hd:2 * hd]
+        else:
+            q = mm(x, pq.w, pq.bias, "q", due_as)
+            k = mm(x, pk.w, pk.bias, "k", due_as)
+            v = mm(x, pv.w, pv.bias, "v", due_cl)
+            if due_as or due_cl:
+                x_col, x_rn = cks.encode(x)
+                for p, out, pr, d in (("q", q, pq, due_as), ("k", k, pk, due_as), ("v", v, pv, due_cl)):
+                    if d:
+                        proj_checks.append((cks.detect(out, x, pr.w, pr.bias, a_col=x_col, a_rn=x_rn, factor=fac),
+                                            [(p, None, None)]))
+                if due_as:
+                    k_col = proj_checks[1][0].col
+        if rope is not None or kv_update is not None:
+            k_col = None   # rotated / cached K: re-encoded from the heads
 
-        def heads_qk(q, k, v):
+        def heads():
+            if fused and rope is None and kv_update is None and not upcast_scores:
+                # one copy into head-major layout for the three (contiguous operands for every GEMM)
+                qkv5 = qkv.view(bsz, t, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4).contiguous()
+                return qkv5.unbind(0)
             qh, kh, vh = _split(q, n_heads, head_dim), _split(k, n_heads, head_dim), _split(v, n_heads, head_dim)
             if rope is not None:
                 qh, kh = rope(qh), rope(kh)
@@ -194,62 +289,76 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj, p
                 kh, vh = kv_update(kh, vh)
             if upcast_scores:
                 qh, kh = qh.float(), kh.float()
-            return qh, kh, vh
+            return qh.contiguous(), kh.contiguous(), vh.contiguous()
 
-        def scores_check(qh, kh, scores):
+        def scores_check(qh, kh, scores, k_col):
             # row sums of AS = Q (K^T 1): checked as the columns of AS^T = K Q^T, carrying K's checksum
-            if rope is None and kv_update is None:
-                k_col = _heads_vec(chk["k"].col, n_heads, head_dim)
-            else:
-                k_col = cks.colsum(kh)
+            k_col = cks.colsum(kh) if k_col is None else _heads_vec(k_col, n_heads, head_dim)
             return cks.detect(scores.transpose(-1, -2), kh, qh.transpose(-1, -2), a_col=k_col, factor=fac)
 
-        if kv_update is not None:  # the cache must only ever see verified K / V: settle them first
-            for p in ("q", "k", "v"):
-                if p in chk and bool(chk[p].any()):
-                    rt.record(layer, p, cks.resolve(chk[p], **rt.resolve_kw()))
-        qh, kh, vh = heads_qk(q, k, v)
+        changed = set()
+        if kv_update is not None and proj_checks:  # the cache must only ever see verified K / V
+            if bool(_any([c for c, _ in proj_checks])):
+                changed = _resolve_parts(rt, layer, proj_checks)
+            proj_checks = []
+        qh, kh, vh = heads()
         scores = mm(qh, kh.transpose(-1, -2), None, "scores", due_as)
-        if due_as:
-            chk["scores"] = scores_check(qh, kh, scores)
-            if bool(torch.stack([chk["q"].any(), chk["k"].any(), chk["scores"].any()]).any()):
-                upstream = False
-                for p in ("q", "k"):
-                    if bool(chk[p].any()):
-                        rt.record(layer, p, cks.resolve(chk[p], **rt.resolve_kw()))
-                        upstream = True
-                if upstream:  # recompute the rest of the section from the corrected Q / K
-                    qh, kh, vh = heads_qk(q, k, v)
-                    scores = ProtectedMatmul.apply(qh, kh.transpose(-1, -2), None, (rt, layer, "scores", bwd))
-                    chk["scores"] = scores_check(qh, kh, scores)
-                if bool(chk["scores"].any()):
-                    rt.record(layer, "scores", cks.resolve(chk["scores"], **rt.resolve_kw()))
-        probs = torch.softmax(mask_fn(scores * scale) if mask_fn is not None else scores * scale, dim=-1,
-                              dtype=torch.float32).to(vh.dtype)
+        scores_chk = scores_check(qh, kh, scores, k_col) if due_as else None
+
+        # ---- one host sync for section AS (and X W^V): settle Q, K, V and the scores before the softmax
+        first = [c for c, _ in proj_checks] + ([scores_chk] if scores_chk is not None else [])
+        if first and bool(_any(first)):
+            changed = _resolve_parts(rt, layer, proj_checks)
+            if changed:  # recompute downstream of the corrected Q / K / V (new autograd nodes, no hooks)
+                qh2, kh2, vh = heads()
+                if changed & {"q", "k"}:
+                    qh, kh = qh2, kh2
+                    scores = ProtectedMatmul.apply(qh, kh.transpose(-1, -2), None,
+                                                   _Spec(rt, layer, (("scores", None, None, bwd and due_as),)))
+                    scores_chk = scores_check(qh, kh, scores, None) if due_as else None
+            if scores_chk is not None and bool(scores_chk.any()):
+                rt.record(layer, "scores", cks.resolve(scores_chk, **rt.resolve_kw()))
+        bias = bias_fn(scores.shape[-2], scores.shape[-1], scores.dtype, scores.device) if bias_fn else None
+        if bias is not None:
+            logits = torch.add(bias, scores, alpha=scale) if scale != 1.0 else bias + scores
+        elif bias_fn is None and mask_fn is not None:
+            logits = mask_fn(scores * scale)
+        else:
+            logits = scores * scale if scale != 1.0 else scores
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(vh.dtype)
         if dropout_p > 0.0:
             probs = F.dropout(probs, p=dropout_p, training=True)
 
-        # ---- section CL: X W^V, AP V
-        if due_cl and bool(chk["v"].any()):
-            rt.record(layer, "v", cks.resolve(chk["v"], **rt.resolve_kw()))
-            vh = _split(v, n_heads, head_dim)
-        ctx = mm(probs, vh, None, "context", due_cl)
-        if due_cl:
+        # ---- section CL: AP V;  section O: CL W^O  (one host sync for both)
+        def context_check(ctx, vh, probs):
             # row sums of CL = AP (V 1): columns of CL^T = V^T AP^T; rows of AP have 2-norm <= 1/(1-p)
-            p_bound = torch.full((1, 1), 1.0 / (1.0 - dropout_p), dtype=torch.float32, device=x.device)
-            chk["context"] = cks.detect(ctx.transpose(-1, -2), vh.transpose(-1, -2), probs.transpose(-1, -2),
-                                        b_cn=p_bound, factor=fac)
-            if bool(chk["context"].any()):
-                rt.record(layer, "context", cks.resolve(chk["context"], **rt.resolve_kw()))
+            return cks.detect(ctx.transpose(-1, -2), vh.transpose(-1, -2), probs.transpose(-1, -2),
+                              b_cn=1.0 / (1.0 - dropout_p), factor=fac)
 
-        # ---- section O: CL W^O
-        merged = ctx.transpose(1, 2).reshape(bsz, t, hd)
-        out = mm(merged, po.w, po.bias, "output", due_o)
-        if due_o:
-            ctx_col, ctx_rn = cks.encode(merged)
-            chk["output"] = cks.detect(out, merged, po.w, po.bias, a_col=ctx_col, a_rn=ctx_rn, factor=fac)
-            if bool(chk["output"].any()):
-                rt.record(layer, "output", cks.resolve(chk["output"], **rt.resolve_kw()))
+        def output(ctx, hooks: bool):
+            merged = ctx.transpose(1, 2).reshape(bsz, t, hd)
+            if hooks:
+                out = mm(merged, po.w, po.bias, "output", due_o)
+            else:
+                out = ProtectedMatmul.apply(merged, po.w, po.bias,
+                                            _Spec(rt, layer, (("output", None, None, bwd and due_o),)))
+            chk = None
+            if due_o:
+                # CL's column checksum for CL W^O is encoded from CL (recomputed if CL is corrected)
+                ctx_col, ctx_rn = cks.encode(merged)
+                chk = cks.detect(out, merged, po.w, po.bias, a_col=ctx_col, a_rn=ctx_rn, factor=fac)
+            return out, chk
+
+        ctx = mm(probs, vh, None, "context", due_cl)
+        ctx_chk = context_check(ctx, vh, probs) if due_cl else None
+        out, out_chk = output(ctx, True)
+        second = [c for c in (ctx_chk, out_chk) if c is not None]
+        if second and bool(_any(second)):
+            if ctx_chk is not None and bool(ctx_chk.any()):
+                rt.record(layer, "context", cks.resolve(ctx_chk, **rt.resolve_kw()))
+                out, out_chk = output(ctx, False)  # from the corrected CL
+            if out_chk is not None and bool(out_chk.any()):
+                rt.record(layer, "output", cks.resolve(out_chk, **rt.resolve_kw()))
     return out, probs
 
 

@@ -66,6 +66,19 @@ def colsum(t: torch.Tensor) -> torch.Tensor:
     return t.sum(-2, keepdim=True, dtype=torch.float32)
 
 
+def norms(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """fp32 2-norms of ``t`` along ``dim`` (dim removed), with the reduction that suits the memory layout.
+
+    ``vector_norm`` is fast along the contiguous dimension but ~10x slower across it (e.g. the column norms
+    of a (768, 2304) weight: 2.2 ms vs 0.3 ms for a squared sum on 2 CPU threads), so a reduction across the
+    contiguous dimension is a sum of squares vectorised along it. Both are the same fp32 2-norm.
+    """
+    if t.stride(dim) == 1 or t.shape[dim] == 1:
+        return torch.linalg.vector_norm(t, dim=dim, dtype=torch.float32)
+    t32 = t.float()
+    return (t32 * t32).sum(dim).sqrt()
+
+
 def encode(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Column checksum and row-norm sum of a section input: ``1^T A``, ``sum_i ||A_i||`` (fp32)."""
     return colsum(a), row_norm_sum(a)
@@ -110,10 +123,26 @@ class GemmCheck:
     def any(self) -> torch.Tensor:
         return self.flag.any()
 
+    def columns(self, lo: int, hi: int) -> "GemmCheck":
+        """The check of the column block ``C[..., lo:hi] = A B[..., lo:hi] (+ bias[lo:hi])`` (views: resolving
+        it corrects ``C`` in place). The checksum of a concatenated product is the concatenation of the
+        checksums, so one fused check splits exactly into per-product checks."""
+        def cut(t):
+            return t[..., lo:hi] if t.shape[-1] != 1 else t
+        return GemmCheck(c=self.c[..., lo:hi], a=self.a, b=self.b[..., lo:hi],
+                         bias=self.bias[lo:hi] if self.bias is not None else None, col=cut(self.col),
+                         expected=cut(self.expected), mag=cut(self.mag), tol=cut(self.tol), flag=cut(self.flag),
+                         factor=self.factor)
+
 
 def row_norm_sum(a: torch.Tensor) -> torch.Tensor:
     """``sum_i ||A_i||_2`` over the rows of ``a`` (fp32), shaped (..., 1, 1)."""
-    return torch.linalg.vector_norm(a, dim=-1, dtype=torch.float32).sum(-1)[..., None, None]
+    return norms(a, -1).sum(-1)[..., None, None]
+
+
+def col_norms(b: torch.Tensor) -> torch.Tensor:
+    """fp32 column norms ``||B_:j||_2``, keepdim: (..., 1, n)."""
+    return norms(b, -2).unsqueeze(-2)
 
 
 def detect(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -122,7 +151,7 @@ def detect(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
     """Fast-path detection for ``c = a @ b + bias`` (see the module docstring for the bound).
 
     ``a_col`` (..., 1, k): carried checksum ``1^T A``; ``a_rn`` (..., 1, 1): ``sum_i ||A_i||``; ``b_cn``
-    (..., 1, n) or broadcastable: column norms ``||B_:j||`` (or an upper bound of them).
+    (..., 1, n) or broadcastable (or a float): column norms ``||B_:j||`` (or an upper bound of them).
     """
     m, k = a.shape[-2], a.shape[-1]
     if a_col is None:
@@ -130,7 +159,7 @@ def detect(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
     if a_rn is None:
         a_rn = row_norm_sum(a)
     if b_cn is None:
-        b_cn = torch.linalg.vector_norm(b, dim=-2, keepdim=True, dtype=torch.float32)
+        b_cn = col_norms(b)
     expected = torch.matmul(a_col, b if b.dtype == torch.float32 else b.float())
     mag = a_rn * b_cn
     if bias is not None:

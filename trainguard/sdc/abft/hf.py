@@ -5,8 +5,9 @@ Relies on ``transformers`` (5.x; models are built from configs only, no weights 
 instance-level ``forward`` (the class is untouched; :func:`unpatch` deletes the instance attribute, so the
 original bound method is back exactly):
 
-* GPT-2 ``GPT2Attention``: fused ``c_attn`` Conv1D (x @ W + b) is used as three column slices (one GEMM
-  per product, so q / k / v each have their own checksums and names); scaling ``module.scaling`` (1/sqrt(d),
+* GPT-2 ``GPT2Attention``: fused ``c_attn`` Conv1D (x @ W + b) is one GEMM with one fused check (the
+  checksum of the concatenated product is the concatenation of the q / k / v checksums; a flag is resolved
+  per product, so q / k / v keep their own names, hooks and counters); scaling ``module.scaling`` (1/sqrt(d),
   and 1/(layer+1) with ``scale_attn_by_inverse_layer_idx``); ``reorder_and_upcast_attn`` computes the
   scores in fp32; ``c_proj`` is section O; the KV cache is updated like the original does.
 * BERT / RoBERTa ``BertAttention`` / ``RobertaAttention`` (the outer module, so that the output ``dense``
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from trainguard.errors import ConfigError, ShapeError
-from trainguard.sdc.abft.attention import conv1d_proj, linear_proj, protected_attention
+from trainguard.sdc.abft.attention import causal_bias, conv1d_proj, linear_proj, protected_attention
 
 SUPPORTED = ("GPT2", "BERT", "GPT-Neo", "RoBERTa")
 _KINDS = {"GPT2Attention": "gpt2", "BertAttention": "bert", "RobertaAttention": "bert",
@@ -46,17 +47,17 @@ def is_supported(model: nn.Module) -> bool:
     return type(model).__module__.startswith(_PACKAGES) and bool(_targets(model))
 
 
-def _mask_fn(attention_mask, causal: bool):
-    def fn(s: torch.Tensor) -> torch.Tensor:
+def _bias_fn(attention_mask, causal: bool):
+    """The mask as an additive bias (see ``protected_attention``): None -> causal -inf mask (or nothing),
+    bool (True = attend) -> finfo.min where masked (``min + scale * s`` rounds to ``min`` exactly, as the
+    eager ``masked_fill`` gives, for any |scale * s| < 1e31), float -> itself."""
+    def fn(tq: int, tk: int, dtype: torch.dtype, device: torch.device):
         if attention_mask is None:
-            if causal and s.shape[-2] > 1:
-                tq, tk = s.shape[-2], s.shape[-1]
-                m = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(tk - tq + 1)
-                return s.masked_fill(m, float("-inf"))
-            return s
+            return causal_bias(tq, tk, dtype, device) if causal and tq > 1 else None
         if attention_mask.dtype == torch.bool:
-            return s.masked_fill(~attention_mask, torch.finfo(s.dtype).min)
-        return s + attention_mask.to(s.dtype)
+            return torch.zeros(attention_mask.shape, dtype=dtype, device=device).masked_fill_(
+                ~attention_mask, torch.finfo(dtype).min)
+        return attention_mask.to(dtype)
     return fn
 
 
@@ -72,11 +73,10 @@ def _gpt2_forward(handle, layer):
                 encoder_attention_mask=None, output_attentions=False, **kwargs):
         if encoder_hidden_states is not None or self.is_cross_attention:
             raise ShapeError("ABFT protects self-attention only; GPT-2 cross-attention is not supported")
-        d = self.embed_dim
         out, probs = protected_attention(
-            handle, layer, hidden_states, conv1d_proj(self.c_attn, 0, d), conv1d_proj(self.c_attn, d, 2 * d),
-            conv1d_proj(self.c_attn, 2 * d, 3 * d), conv1d_proj(self.c_proj), n_heads=self.num_heads,
-            head_dim=self.head_dim, scale=self.scaling, mask_fn=_mask_fn(attention_mask, self.is_causal),
+            handle, layer, hidden_states, conv1d_proj(self.c_attn), None, None, conv1d_proj(self.c_proj),
+            n_heads=self.num_heads, head_dim=self.head_dim, scale=self.scaling,
+            bias_fn=_bias_fn(attention_mask, self.is_causal),
             kv_update=_cache_update(past_key_values, self.layer_idx),
             dropout_p=self.attn_dropout.p if self.training else 0.0,
             upcast_scores=bool(self.reorder_and_upcast_attn))
@@ -93,7 +93,7 @@ def _bert_forward(handle, layer):
         out, probs = protected_attention(
             handle, layer, hidden_states, linear_proj(sa.query), linear_proj(sa.key), linear_proj(sa.value),
             linear_proj(self.output.dense), n_heads=sa.num_attention_heads, head_dim=sa.attention_head_size,
-            scale=sa.scaling, mask_fn=_mask_fn(attention_mask, bool(sa.is_causal)),
+            scale=sa.scaling, bias_fn=_bias_fn(attention_mask, bool(sa.is_causal)),
             kv_update=_cache_update(past_key_values, sa.layer_idx),
             dropout_p=sa.dropout.p if self.training else 0.0)
         out = self.output.LayerNorm(self.output.dropout(out) + hidden_states)

@@ -32,7 +32,8 @@ from torch import nn
 
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.abft import eec
-from trainguard.sdc.abft.attention import (PRODUCTS, SECTION_OF, SECTIONS, linear_proj, protected_attention)
+from trainguard.sdc.abft.attention import (PRODUCTS, SECTION_OF, SECTIONS, causal_bias, linear_proj,
+                                          protected_attention)
 from trainguard.sdc.abft.checksums import Outcome
 
 FaultHook = Callable[[int, str, torch.Tensor], "torch.Tensor | None"]
@@ -119,13 +120,18 @@ class ABFTHandle:
         if not self._hooks:
             return
         with torch.no_grad():
+            # a product that is a column block of a fused GEMM (q / k / v of GPT-2's c_attn) is a strided
+            # view: hooks get a contiguous copy (as if it were its own GEMM's output), written back after
+            view = t if t.is_contiguous() else t.contiguous()
             for fn in list(self._hooks.values()):
-                r = fn(layer, product, t)
-                if r is not None and r is not t:
-                    if r.shape != t.shape:
+                r = fn(layer, product, view)
+                if r is not None and r is not view:
+                    if r.shape != view.shape:
                         raise TrainguardError(f"fault hook returned shape {tuple(r.shape)} for {product} "
                                               f"of shape {tuple(t.shape)}")
-                    t.copy_(r)
+                    view.copy_(r)
+            if view is not t:
+                t.copy_(view)
 
     def resolve_kw(self) -> dict:
         return dict(correct=self.cfg.correct, recompute=self.cfg.recompute, near_inf=self.cfg.near_inf,
@@ -173,16 +179,10 @@ def _llama_kernel(handle: ABFTHandle, layer: int):
         out, _ = protected_attention(
             handle, layer, x, linear_proj(module.wq), linear_proj(module.wk), linear_proj(module.wv),
             linear_proj(module.wo), n_heads=module.n_heads, head_dim=module.head_dim,
-            scale=1.0 / math.sqrt(module.head_dim), mask_fn=_causal_fill, rope=lambda t: apply_rope(t, cos, sin))
+            scale=1.0 / math.sqrt(module.head_dim), bias_fn=causal_bias, rope=lambda t: apply_rope(t, cos, sin))
         return out
 
     return kernel
-
-
-def _causal_fill(scores: torch.Tensor) -> torch.Tensor:
-    tq, tk = scores.shape[-2], scores.shape[-1]
-    mask = torch.ones(tq, tk, dtype=torch.bool, device=scores.device).triu(tk - tq + 1)
-    return scores.masked_fill(mask, float("-inf"))
 
 
 def _protect_llama(model, handle: ABFTHandle) -> None:
