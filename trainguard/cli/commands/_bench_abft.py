@@ -30,7 +30,8 @@ def run(args) -> int:
     r = bench(args.model, args.batch, args.seq_len, args.rounds, args.steps, args.size, not args.no_backward)
     keys = ("attention_overhead", "train_step_overhead", "attention_overhead_with_backward",
             "train_step_overhead_with_backward", "correction_cost_vs_step", "checkpoint_restore_cost_vs_step",
-            "recovery_speedup", "faults_corrected_in_recovery_runs", "threads")
+            "recovery_speedup", "faults_corrected_in_recovery_runs", "recovery_faults_injected",
+            "correction_cost_vs_step_from_step_medians", "threads")
     out = err_console if args.json else console
     out.print(table(f"trainguard bench abft: {args.model} ({args.size}), batch {args.batch} x {args.seq_len}",
                     {k: r[k] for k in keys if k in r}))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from typing import Callable
 
 import torch
@@ -144,7 +145,9 @@ class ProtectedMatmul(torch.autograd.Function):
             if gb.dim() > b.dim():
                 gb = gb.sum(tuple(range(gb.dim() - b.dim())))
         if checks and bool(_any([c for c, _ in checks])):
+            t0 = time.perf_counter()
             _resolve_parts(rt, layer, checks)
+            rt.correction_seconds += time.perf_counter() - t0
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gbias = g.reshape(-1, g.shape[-1]).sum(0)
         return ga, gb, gbias, None
@@ -299,7 +302,9 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
         changed = set()
         if kv_update is not None and proj_checks:  # the cache must only ever see verified K / V
             if bool(_any([c for c, _ in proj_checks])):
+                t0 = time.perf_counter()
                 changed = _resolve_parts(rt, layer, proj_checks)
+                rt.correction_seconds += time.perf_counter() - t0
             proj_checks = []
         qh, kh, vh = heads()
         scores = mm(qh, kh.transpose(-1, -2), None, "scores", due_as)
@@ -308,6 +313,7 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
         # ---- one host sync for section AS (and X W^V): settle Q, K, V and the scores before the softmax
         first = [c for c, _ in proj_checks] + ([scores_chk] if scores_chk is not None else [])
         if first and bool(_any(first)):
+            t0 = time.perf_counter()  # the slow path (location, correction, recomputation) is timed
             changed = _resolve_parts(rt, layer, proj_checks)
             if changed:  # recompute downstream of the corrected Q / K / V (new autograd nodes, no hooks)
                 qh2, kh2, vh = heads()
@@ -318,6 +324,7 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
                     scores_chk = scores_check(qh, kh, scores, None) if due_as else None
             if scores_chk is not None and bool(scores_chk.any()):
                 rt.record(layer, "scores", cks.resolve(scores_chk, **rt.resolve_kw()))
+            rt.correction_seconds += time.perf_counter() - t0
         bias = bias_fn(scores.shape[-2], scores.shape[-1], scores.dtype, scores.device) if bias_fn else None
         if bias is not None:
             logits = torch.add(bias, scores, alpha=scale) if scale != 1.0 else bias + scores
@@ -354,11 +361,13 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
         out, out_chk = output(ctx, True)
         second = [c for c in (ctx_chk, out_chk) if c is not None]
         if second and bool(_any(second)):
+            t0 = time.perf_counter()
             if ctx_chk is not None and bool(ctx_chk.any()):
                 rt.record(layer, "context", cks.resolve(ctx_chk, **rt.resolve_kw()))
                 out, out_chk = output(ctx, False)  # from the corrected CL
             if out_chk is not None and bool(out_chk.any()):
                 rt.record(layer, "output", cks.resolve(out_chk, **rt.resolve_kw()))
+            rt.correction_seconds += time.perf_counter() - t0
     return out, probs
 
 

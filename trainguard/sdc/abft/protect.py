@@ -13,6 +13,9 @@ Counters count product checks, per section: ``detected`` (a product whose checks
 ``corrected`` (fixed by EEC-ABFT, including a corrupted checksum), ``uncorrectable`` (a pattern EEC-ABFT
 cannot fix, e.g. 2D) and ``recomputed`` (then recomputed from its verified inputs). ``events`` holds one
 dict per detection and per corrected element (capped at ``ABFTConfig.max_events``).
+``correction_seconds`` accumulates the wall time of the slow path (everything a flag triggers: location,
+EEC-ABFT correction, recomputation of uncorrectable and downstream products; host clock, so on CUDA it
+includes the syncs the slow path makes).
 
 Fault hooks ``fn(layer_idx, product, tensor) -> Tensor | None`` see each product right after its GEMM and
 before verification, under ``torch.no_grad``; a returned tensor is copied into the product in place (the
@@ -24,6 +27,7 @@ Recomputations do not call hooks.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -86,11 +90,14 @@ class ABFTHandle:
     _restore: list = field(default_factory=list)
     kind: str = ""
     n_layers: int = 0
+    #: wall time spent in the slow path (location, correction, recomputation after a flag), perf_counter
+    correction_seconds: float = 0.0
 
     # -- public API
     def reset_counters(self) -> None:
         self.counters = {s: _zero() for s in SECTIONS}
         self.events = []
+        self.correction_seconds = 0.0
 
     def total(self) -> dict[str, int]:
         tot = _zero()
@@ -142,7 +149,9 @@ class ABFTHandle:
         from trainguard.sdc.abft import checksums as cks
 
         if bool(chk.any()):
+            t0 = time.perf_counter()
             self.record(layer, product, cks.resolve(chk, **self.resolve_kw()))
+            self.correction_seconds += time.perf_counter() - t0
 
     def _event(self, **kw) -> None:
         if len(self.events) < self.cfg.max_events:
