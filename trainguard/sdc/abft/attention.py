@@ -57,10 +57,10 @@ class _Spec:
     column blocks ``[lo, hi)`` of the output (``lo = None``: the whole output is one product). A fused QKV
     projection has three parts."""
 
-    __slots__ = ("rt", "layer", "parts")
+    __slots__ = ("rt", "layer", "parts", "bt")
 
-    def __init__(self, rt, layer: int, parts: tuple):
-        self.rt, self.layer, self.parts = rt, layer, parts
+    def __init__(self, rt, layer: int, parts: tuple, bt: bool = False):
+        self.rt, self.layer, self.parts, self.bt = rt, layer, parts, bt
 
 
 def _any(checks) -> torch.Tensor:
@@ -88,7 +88,9 @@ def _resolve_parts(rt, layer: int, checks) -> set:
 class ProtectedMatmul(torch.autograd.Function):
     """``a @ b + bias`` whose backward GEMMs go through fault hooks and (optionally) ABFT checks.
 
-    ``b`` is (k, n) (a weight, shared over the batch) or (..., k, n); ``spec`` is a :class:`_Spec`. For a
+    ``b`` is (k, n) (a weight, shared over the batch) or (..., k, n); ``spec`` is a :class:`_Spec`; with
+    ``spec.bt`` the product is ``a @ b^T`` with ``b`` (..., n, k) (``Q K^T`` from K itself), so that both
+    gradients, ``dC B`` and ``dC^T A``, come out of their GEMMs contiguous. For a
     fused product (several parts), the weight gradient ``A^T dC`` is one GEMM whose column blocks are the
     parts' weight gradients (each block fires its own hook; one check covers the blocks that are due, and a
     flag is resolved block by block); the input gradient ``dC B^T`` is one GEMM (the sum over the parts):
@@ -101,6 +103,9 @@ class ProtectedMatmul(torch.autograd.Function):
         ctx.save_for_backward(a, b)
         ctx.spec = spec
         ctx.has_bias = bias is not None
+        if spec.bt:
+            out = torch.matmul(a, b.transpose(-1, -2))
+            return out + bias if bias is not None else out
         if bias is not None and b.dim() == 2:
             out = torch.empty(*a.shape[:-1], b.shape[-1], dtype=a.dtype, device=a.device)
             torch.addmm(bias, a.reshape(-1, a.shape[-1]), b, out=out.view(-1, b.shape[-1]))
@@ -117,16 +122,20 @@ class ProtectedMatmul(torch.autograd.Function):
         fac = rt.cfg.tolerance_factor
         ga = gb = gbias = None
         g = g if g.dtype == a.dtype else g.to(a.dtype)
+        if g.dim() > 2 and not g.is_contiguous():
+            g = g.contiguous()  # once, rather than inside each of the two matmuls
         checks = []
         if ctx.needs_input_grad[0]:
-            bt = b.transpose(-1, -2)
+            bt = b if spec.bt else b.transpose(-1, -2)
             ga = torch.matmul(g, bt)
             for p in parts:
                 rt.fire(layer, BACKWARD_PRODUCTS[p[0]][0], ga)
             if due:
                 checks.append((cks.detect(ga, g, bt, factor=fac), [(BACKWARD_PRODUCTS[due[0][0]][0], None, None)]))
         if ctx.needs_input_grad[1]:
-            if b.dim() == 2 and a.dim() > 2:
+            if spec.bt:  # d(b) = dC^T A
+                at, gf = g.transpose(-1, -2), a
+            elif b.dim() == 2 and a.dim() > 2:
                 at = a.reshape(-1, a.shape[-1]).transpose(0, 1)
                 gf = g.reshape(-1, g.shape[-1])
             else:
@@ -151,6 +160,59 @@ class ProtectedMatmul(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gbias = g.reshape(-1, g.shape[-1]).sum(0)
         return ga, gb, gbias, None
+
+
+class _ScaledSoftmax(torch.autograd.Function):
+    """``softmax(bias + scale * scores)`` in fp32 with one (B, H, T, T) temporary instead of three: on CPU
+    the logits buffer becomes the probabilities (the softmax kernel works row by row), and the backward
+    scales the softmax gradient in place. ``bias`` is an additive mask (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, scores, bias, scale):
+        if bias is not None:
+            logits = torch.add(bias, scores, alpha=scale) if scale != 1.0 else bias + scores
+        else:
+            logits = scores * scale
+        if logits.dtype == torch.float32 and logits.device.type == "cpu":
+            probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        ctx.save_for_backward(probs)
+        ctx.scale, ctx.in_dtype = scale, logits.dtype
+        return probs
+
+    @staticmethod
+    def backward(ctx, g):
+        (probs,) = ctx.saved_tensors
+        gl = torch._softmax_backward_data(g.contiguous(), probs, -1, probs.dtype)
+        if ctx.scale != 1.0:
+            gl.mul_(ctx.scale)
+        return gl.to(ctx.in_dtype), None, None
+
+
+class _HeadsQKV(torch.autograd.Function):
+    """A fused (B, T, 3 H d) QKV product -> contiguous (B, H, T, d) q, k, v: one copy forward, and one
+    (B, T, 3 H d) gradient written head by head backward (unbind + permute would allocate it twice)."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_heads, head_dim):
+        b, t, _ = qkv.shape
+        ctx.dims = (b, t, n_heads, head_dim)
+        hm = qkv.view(b, t, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4).contiguous()
+        return hm[0], hm[1], hm[2]
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        b, t, h, d = ctx.dims
+        ref = next(x for x in (gq, gk, gv) if x is not None)
+        grad = torch.empty(b, t, 3, h, d, dtype=ref.dtype, device=ref.device)
+        gp = grad.permute(2, 0, 3, 1, 4)
+        for i, gi in enumerate((gq, gk, gv)):
+            if gi is None:
+                gp[i].zero_()
+            else:
+                gp[i].copy_(gi)
+        return grad.view(b, t, 3 * h * d), None, None
 
 
 class _Proj:
@@ -283,8 +345,7 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
         def heads():
             if fused and rope is None and kv_update is None and not upcast_scores:
                 # one copy into head-major layout for the three (contiguous operands for every GEMM)
-                qkv5 = qkv.view(bsz, t, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4).contiguous()
-                return qkv5.unbind(0)
+                return _HeadsQKV.apply(qkv, n_heads, head_dim)
             qh, kh, vh = _split(q, n_heads, head_dim), _split(k, n_heads, head_dim), _split(v, n_heads, head_dim)
             if rope is not None:
                 qh, kh = rope(qh), rope(kh)
@@ -307,7 +368,8 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
                 rt.correction_seconds += time.perf_counter() - t0
             proj_checks = []
         qh, kh, vh = heads()
-        scores = mm(qh, kh.transpose(-1, -2), None, "scores", due_as)
+        scores = ProtectedMatmul.apply(qh, kh, None, _Spec(rt, layer, (("scores", None, None, bwd and due_as),), True))
+        rt.fire(layer, "scores", scores)
         scores_chk = scores_check(qh, kh, scores, k_col) if due_as else None
 
         # ---- one host sync for section AS (and X W^V): settle Q, K, V and the scores before the softmax
@@ -319,28 +381,30 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
                 qh2, kh2, vh = heads()
                 if changed & {"q", "k"}:
                     qh, kh = qh2, kh2
-                    scores = ProtectedMatmul.apply(qh, kh.transpose(-1, -2), None,
-                                                   _Spec(rt, layer, (("scores", None, None, bwd and due_as),)))
+                    scores = ProtectedMatmul.apply(qh, kh, None,
+                                                   _Spec(rt, layer, (("scores", None, None, bwd and due_as),), True))
                     scores_chk = scores_check(qh, kh, scores, None) if due_as else None
             if scores_chk is not None and bool(scores_chk.any()):
                 rt.record(layer, "scores", cks.resolve(scores_chk, **rt.resolve_kw()))
             rt.correction_seconds += time.perf_counter() - t0
         bias = bias_fn(scores.shape[-2], scores.shape[-1], scores.dtype, scores.device) if bias_fn else None
-        if bias is not None:
-            logits = torch.add(bias, scores, alpha=scale) if scale != 1.0 else bias + scores
-        elif bias_fn is None and mask_fn is not None:
-            logits = mask_fn(scores * scale)
+        if bias_fn is None and mask_fn is not None:
+            probs = torch.softmax(mask_fn(scores * scale), dim=-1, dtype=torch.float32)
+        elif bias is not None and (bias.requires_grad or bias.dim() > scores.dim()
+                                   or torch.broadcast_shapes(bias.shape, scores.shape) != scores.shape):
+            probs = torch.softmax(torch.add(bias, scores, alpha=scale), dim=-1, dtype=torch.float32)
         else:
-            logits = scores * scale if scale != 1.0 else scores
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(vh.dtype)
+            probs = _ScaledSoftmax.apply(scores, bias, scale)
+        probs = probs.to(vh.dtype)
         if dropout_p > 0.0:
             probs = F.dropout(probs, p=dropout_p, training=True)
 
         # ---- section CL: AP V;  section O: CL W^O  (one host sync for both)
         def context_check(ctx, vh, probs):
-            # row sums of CL = AP (V 1): columns of CL^T = V^T AP^T; rows of AP have 2-norm <= 1/(1-p)
+            # row sums of CL = AP (V 1): columns of CL^T = V^T AP^T; AP >= 0 (also after dropout), so the
+            # exact magnitude AP |V| 1 comes from the same GEMV as the checksum AP (V 1)
             return cks.detect(ctx.transpose(-1, -2), vh.transpose(-1, -2), probs.transpose(-1, -2),
-                              b_cn=1.0 / (1.0 - dropout_p), factor=fac)
+                              b_nonneg=True, factor=fac)
 
         def output(ctx, hooks: bool):
             merged = ctx.transpose(1, 2).reshape(bsz, t, hd)
