@@ -103,14 +103,15 @@ class ProtectedMatmul(torch.autograd.Function):
         ctx.save_for_backward(a, b)
         ctx.spec = spec
         ctx.has_bias = bias is not None
-        if spec.bt:
-            out = torch.matmul(a, b.transpose(-1, -2))
-            return out + bias if bias is not None else out
-        if bias is not None and b.dim() == 2:
-            out = torch.empty(*a.shape[:-1], b.shape[-1], dtype=a.dtype, device=a.device)
-            torch.addmm(bias, a.reshape(-1, a.shape[-1]), b, out=out.view(-1, b.shape[-1]))
+        bm = b.transpose(-1, -2) if spec.bt else b
+        if b.dim() == 2:
+            out = torch.empty(*a.shape[:-1], bm.shape[-1], dtype=a.dtype, device=a.device)
+            if bias is not None:
+                torch.addmm(bias, a.reshape(-1, a.shape[-1]), bm, out=out.view(-1, bm.shape[-1]))
+            else:
+                torch.mm(a.reshape(-1, a.shape[-1]), bm, out=out.view(-1, bm.shape[-1]))
             return out
-        out = torch.matmul(a, b)
+        out = torch.matmul(a, bm)
         return out + bias if bias is not None else out
 
     @staticmethod
@@ -133,22 +134,24 @@ class ProtectedMatmul(torch.autograd.Function):
             if due:
                 checks.append((cks.detect(ga, g, bt, factor=fac), [(BACKWARD_PRODUCTS[due[0][0]][0], None, None)]))
         if ctx.needs_input_grad[1]:
-            if spec.bt:  # d(b) = dC^T A
-                at, gf = g.transpose(-1, -2), a
-            elif b.dim() == 2 and a.dim() > 2:
-                at = a.reshape(-1, a.shape[-1]).transpose(0, 1)
-                gf = g.reshape(-1, g.shape[-1])
+            if b.dim() == 2 and a.dim() > 2:
+                a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
             else:
-                at, gf = a.transpose(-1, -2), g
-            gb = torch.matmul(at, gf)
+                a2, g2 = a, g
+            at = a2.transpose(-1, -2)
+            if spec.bt:  # d(b) = dC^T A, in b's (n, k) layout; its transpose A^T dC is what is checked
+                gb = torch.matmul(g2.transpose(-1, -2), a2)
+                gview = gb.transpose(-1, -2)
+            else:
+                gb = gview = torch.matmul(at, g2)
             for p, plo, phi, _ in parts:
-                rt.fire(layer, BACKWARD_PRODUCTS[p][1], gb if plo is None else gb[..., plo:phi])
+                rt.fire(layer, BACKWARD_PRODUCTS[p][1], gb if plo is None else gview[..., plo:phi])
             if due:
                 lo, hi = due[0][1], due[-1][2]
-                if lo is None or (lo == 0 and hi == gb.shape[-1]):
-                    chk = cks.detect(gb, at, gf, factor=fac)
+                if lo is None or (lo == 0 and hi == gview.shape[-1]):
+                    chk = cks.detect(gview, at, g2, factor=fac)
                 else:
-                    chk = cks.detect(gb[..., lo:hi], at, gf[..., lo:hi], factor=fac)
+                    chk = cks.detect(gview[..., lo:hi], at, g2[..., lo:hi], factor=fac)
                 checks.append((chk, [(BACKWARD_PRODUCTS[p][1], None if plo is None else plo - (lo or 0),
                                       None if plo is None else phi - (lo or 0)) for p, plo, phi, _ in due]))
             if gb.dim() > b.dim():
@@ -311,39 +314,35 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
         # ---- projections: X W^Q, X W^K (section AS), X W^V (section CL)
         proj_checks = []   # [(GemmCheck, [(product, lo, hi)])]
         k_col = None       # verified column checksum of K, (B, 1, H d)
-        if fused:
-            blocks = (("q", 0, hd, due_as), ("k", hd, 2 * hd, due_as), ("v", 2 * hd, 3 * hd, due_cl))
-            qkv = ProtectedMatmul.apply(x, pq.w, pq.bias,
-                                        _Spec(rt, layer, tuple((p, lo, hi, bwd and d) for p, lo, hi, d in blocks)))
-            for p, lo, hi, _ in blocks:
-                rt.fire(layer, p, qkv[..., lo:hi])
-            q, k, v = qkv[..., :hd], qkv[..., hd:2 * hd], qkv[..., 2 * hd:]
-            if due_as or due_cl:
-                # one check of the fused product over the column block that is due (q|k, v or all)
-                lo, hi = (0 if due_as else 2 * hd), (3 * hd if due_cl else 2 * hd)
-                whole = lo == 0 and hi == 3 * hd
-                chk = cks.detect(qkv if whole else qkv[..., lo:hi], x, pq.w if whole else pq.w[:, lo:hi],
-                                 pq.bias if whole or pq.bias is None else pq.bias[lo:hi], factor=fac)
-                proj_checks.append((chk, [(p, plo - lo, phi - lo) for p, plo, phi, d in blocks if d]))
-                if due_as:
-                    k_col = chk.col[..., hd:2 * hd]
-        else:
-            q = mm(x, pq.w, pq.bias, "q", due_as)
-            k = mm(x, pk.w, pk.bias, "k", due_as)
-            v = mm(x, pv.w, pv.bias, "v", due_cl)
-            if due_as or due_cl:
-                x_col, x_rn = cks.encode(x)
-                for p, out, pr, d in (("q", q, pq, due_as), ("k", k, pk, due_as), ("v", v, pv, due_cl)):
-                    if d:
-                        proj_checks.append((cks.detect(out, x, pr.w, pr.bias, a_col=x_col, a_rn=x_rn, factor=fac),
-                                            [(p, None, None)]))
-                if due_as:
-                    k_col = proj_checks[1][0].col
+        if fused:   # GPT-2's c_attn: x @ W + b, W (D, 3 H d)
+            w_qkv, b_qkv, bt = pq.w, pq.bias, False
+        else:       # Linear q / k / v: their (out, in) weights stacked, x @ [Wq; Wk; Wv]^T in one GEMM
+            w_qkv, bt = torch.cat([pq.w.t(), pk.w.t(), pv.w.t()]), True
+            biases = (pq.bias, pk.bias, pv.bias)
+            b_qkv = None if all(b_ is None for b_ in biases) else torch.cat(
+                [b_ if b_ is not None else torch.zeros(hd, dtype=dtype, device=x.device) for b_ in biases])
+        blocks = (("q", 0, hd, due_as), ("k", hd, 2 * hd, due_as), ("v", 2 * hd, 3 * hd, due_cl))
+        qkv = ProtectedMatmul.apply(x, w_qkv, b_qkv,
+                                    _Spec(rt, layer, tuple((p, lo, hi, bwd and d) for p, lo, hi, d in blocks), bt))
+        for p, lo, hi, _ in blocks:
+            rt.fire(layer, p, qkv[..., lo:hi])
+        q, k, v = qkv[..., :hd], qkv[..., hd:2 * hd], qkv[..., 2 * hd:]
+        if due_as or due_cl:
+            # one check of the fused product over the column block that is due (q|k, v or all): the
+            # checksum of a concatenated product is the concatenation of the checksums
+            lo, hi = (0 if due_as else 2 * hd), (3 * hd if due_cl else 2 * hd)
+            whole = lo == 0 and hi == 3 * hd
+            w_in_out = w_qkv.t() if bt else w_qkv          # (D, 3 H d)
+            chk = cks.detect(qkv if whole else qkv[..., lo:hi], x, w_in_out if whole else w_in_out[:, lo:hi],
+                             b_qkv if whole or b_qkv is None else b_qkv[lo:hi], factor=fac)
+            proj_checks.append((chk, [(p, plo - lo, phi - lo) for p, plo, phi, d in blocks if d]))
+            if due_as:
+                k_col = chk.col[..., hd:2 * hd]
         if rope is not None or kv_update is not None:
             k_col = None   # rotated / cached K: re-encoded from the heads
 
         def heads():
-            if fused and rope is None and kv_update is None and not upcast_scores:
+            if rope is None and kv_update is None and not upcast_scores:
                 # one copy into head-major layout for the three (contiguous operands for every GEMM)
                 return _HeadsQKV.apply(qkv, n_heads, head_dim)
             qh, kh, vh = _split(q, n_heads, head_dim), _split(k, n_heads, head_dim), _split(v, n_heads, head_dim)
