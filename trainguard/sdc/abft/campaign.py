@@ -218,7 +218,9 @@ def _median_time(fn, n: int) -> float:
 
 def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: int = 5, steps: int = 3,
           size: str = "small", backward_too: bool = True, progress: bool = True) -> dict[str, Any]:
-    """Protected vs unprotected, interleaved rounds (order flipped every round), medians.
+    """Protected vs unprotected, side by side: in every round each timed slot runs every mode once, back
+    to back (order flipped every slot); per round and mode the median over its slots, then the median over
+    rounds (``*_paired``: the median over slots of abft / plain of the same slot, a secondary figure).
 
     ``attention_overhead``: one attention layer, forward + backward; ``train_step_overhead``: forward,
     backward, AdamW (``_with_backward``: backward GEMMs verified too). Recovery: one NaN per step, injected
@@ -251,18 +253,36 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
         modes["abft+backward"] = ABFTConfig(backward=True)
     t_step: dict[str, list[float]] = {m: [] for m in modes}
     t_att: dict[str, list[float]] = {m: [] for m in modes}
+    pair_step: dict[str, list[float]] = {m: [] for m in modes if m != "plain"}
+    pair_att: dict[str, list[float]] = {m: [] for m in modes if m != "plain"}
+
+    def interleaved(fn, n: int, r: int) -> dict[str, list[float]]:
+        """``n`` slots; in each, every mode runs ``fn`` once, back to back (order flipped every slot), so
+        that the modes see the same background load (blocks of several steps per mode drifted apart by
+        +-10% on a shared 2-core machine)."""
+        per: dict[str, list[float]] = {m: [] for m in modes}
+        for i in range(n):
+            order = list(modes) if (r + i) % 2 == 0 else list(reversed(list(modes)))
+            for mode in order:
+                cfg = modes[mode]
+                if cfg is not None:
+                    protect(model, cfg)
+                t0 = time.perf_counter()
+                fn()
+                per[mode].append(time.perf_counter() - t0)
+                if cfg is not None:
+                    unprotect(model)
+        return per
+
     step()  # warm-up (allocations, optimizer state)
+    interleaved(attention, 1, 0)
     for r in range(rounds):
-        order = list(modes) if r % 2 == 0 else list(reversed(list(modes)))
-        for mode in order:
-            cfg = modes[mode]
-            if cfg is not None:
-                protect(model, cfg)
-            attention()
-            t_att[mode].append(_median_time(attention, 3))
-            t_step[mode].append(_median_time(step, steps))
-            if cfg is not None:
-                unprotect(model)
+        for fn, n, acc, pairs in ((attention, 3, t_att, pair_att), (step, steps, t_step, pair_step)):
+            per = interleaved(fn, n, r)
+            for mode, ts in per.items():
+                acc[mode].append(statistics.median(ts))
+                if mode in pairs:
+                    pairs[mode] += [t / p for t, p in zip(ts, per["plain"])]
     med = {m: statistics.median(v) for m, v in t_step.items()}
     med_att = {m: statistics.median(v) for m, v in t_att.items()}
 
@@ -324,6 +344,9 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
         "checkpoint_restore_s": restore,
         "correction_cost_vs_step_from_step_medians": step_diff / t_plain,
         "step_s": med, "attention_s": med_att,
+        "train_step_overhead_paired": statistics.median(pair_step["abft"]) - 1,
+        "attention_overhead_paired": statistics.median(pair_att["abft"]) - 1,
+        "step_rounds_s": t_step, "attention_rounds_s": t_att,
     }
     if backward_too:
         out["attention_overhead_with_backward"] = med_att["abft+backward"] / med_att["plain"] - 1
