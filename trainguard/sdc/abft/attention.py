@@ -389,8 +389,8 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
         bias = bias_fn(scores.shape[-2], scores.shape[-1], scores.dtype, scores.device) if bias_fn else None
         if bias_fn is None and mask_fn is not None:
             probs = torch.softmax(mask_fn(scores * scale), dim=-1, dtype=torch.float32)
-        elif bias is not None and (bias.requires_grad or bias.dim() > scores.dim()
-                                   or torch.broadcast_shapes(bias.shape, scores.shape) != scores.shape):
+        elif bias is not None and (bias.requires_grad or bias.dim() > scores.dim() or any(
+                b_ not in (1, s_) for b_, s_ in zip(reversed(bias.shape), reversed(scores.shape)))):
             probs = torch.softmax(torch.add(bias, scores, alpha=scale), dim=-1, dtype=torch.float32)
         else:
             probs = _ScaledSoftmax.apply(scores, bias, scale)
