@@ -153,7 +153,8 @@ def test_bench_recovery_is_measured_directly():
     from trainguard.sdc.abft.campaign import bench
 
     r = bench("gpt2", batch=2, seq_len=16, rounds=1, steps=1, size="tiny", backward_too=False, progress=False)
-    for key in ("attention_overhead", "train_step_overhead", "correction_cost_vs_step",
+    for key in ("attention_overhead", "train_step_overhead", "attention_overhead_ratio_of_medians",
+                "train_step_overhead_ratio_of_medians", "correction_cost_vs_step",
                 "checkpoint_restore_cost_vs_step", "recovery_speedup", "correction_cost_vs_step_from_step_medians"):
         assert key in r and math.isfinite(r[key]), key
     assert r["faults_corrected_in_recovery_runs"] == r["recovery_faults_injected"] == 6

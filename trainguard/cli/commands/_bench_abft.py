@@ -29,7 +29,8 @@ def run(args) -> int:
         raise ConfigError("--batch, --seq-len, --rounds and --steps must be >= 1")
     r = bench(args.model, args.batch, args.seq_len, args.rounds, args.steps, args.size, not args.no_backward)
     keys = ("attention_overhead", "train_step_overhead", "attention_overhead_with_backward",
-            "train_step_overhead_with_backward", "correction_cost_vs_step", "checkpoint_restore_cost_vs_step",
+            "train_step_overhead_with_backward", "attention_overhead_ratio_of_medians",
+            "train_step_overhead_ratio_of_medians", "correction_cost_vs_step", "checkpoint_restore_cost_vs_step",
             "recovery_speedup", "faults_corrected_in_recovery_runs", "recovery_faults_injected",
             "correction_cost_vs_step_from_step_medians", "threads")
     out = err_console if args.json else console
