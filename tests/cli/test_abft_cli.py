@@ -20,6 +20,8 @@ def test_campaign_abft_all_corrected(capsys, model, fault):
 def test_campaign_abft_bad_input(capsys):
     assert main(["campaign", "abft", "--trials", "0"]) == 2
     assert main(["campaign", "abft", "--seq-len", "100000"]) == 2
+    assert main(["campaign", "abft", "--model", "llama-tiny", "--size", "small"]) == 2
+    assert "--size applies to HF models" in capsys.readouterr().err
 
 
 def test_bench_abft_keys(capsys):
@@ -28,6 +30,6 @@ def test_bench_abft_keys(capsys):
     assert rc == 0
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for k in ("attention_overhead", "train_step_overhead", "correction_cost_vs_step",
-              "checkpoint_restore_cost_vs_step", "recovery_speedup"):
+              "checkpoint_restore_cost_vs_step", "recovery_speedup", "train_step_overhead_ci95"):
         assert k in d
     assert d["faults_corrected_in_recovery_runs"] >= 1

@@ -150,7 +150,7 @@ def test_correction_seconds_timed_only_on_the_slow_path():
 
 
 def test_bench_recovery_is_measured_directly():
-    from trainguard.sdc.abft.campaign import bench
+    from trainguard.sdc.abft.bench import bench
 
     r = bench("gpt2", batch=2, seq_len=16, rounds=1, steps=1, size="tiny", backward_too=False, progress=False)
     for key in ("attention_overhead", "train_step_overhead", "attention_overhead_ratio_of_medians",
@@ -160,3 +160,25 @@ def test_bench_recovery_is_measured_directly():
     assert r["faults_corrected_in_recovery_runs"] == r["recovery_faults_injected"] == 6
     assert len(r["correction_s"]["all"]) == 6 and r["correction_s"]["median"] > 0
     assert r["recovery_speedup"] == pytest.approx(r["checkpoint_restore_s"] / r["correction_s"]["median"])
+    # The paired overhead is the median of the same-slot ratios, inside its own bootstrap interval.
+    pairs = r["train_step_overhead_pair_ratios"]
+    assert len(pairs) == r["step_pairs"] == 1
+    assert r["train_step_overhead"] == pytest.approx(pairs[0] - 1)
+    lo, hi = r["attention_overhead_ci95"]
+    assert lo <= r["attention_overhead"] <= hi
+
+
+def test_median_ci95_brackets_the_median_and_narrows_with_data():
+    import random
+
+    from trainguard.sdc.abft.bench import median_ci95
+
+    rng = random.Random(1)
+    small = [1.02 + rng.gauss(0, 0.05) for _ in range(10)]
+    large = [1.02 + rng.gauss(0, 0.05) for _ in range(400)]
+    lo_s, hi_s = median_ci95(small)
+    lo_l, hi_l = median_ci95(large)
+    assert lo_s <= sorted(small)[5] and sorted(small)[4] <= hi_s
+    assert lo_l < 1.02 < hi_l and (hi_l - lo_l) < (hi_s - lo_s)
+    assert median_ci95(small) == (lo_s, hi_s)  # seeded
+    assert median_ci95([1.5]) == (1.5, 1.5)

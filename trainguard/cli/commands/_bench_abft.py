@@ -23,19 +23,26 @@ def register_bench(subparsers) -> None:
 
 def run(args) -> int:
     from trainguard.errors import ConfigError
-    from trainguard.sdc.abft.campaign import bench
+    from trainguard.sdc.abft.bench import bench
 
     if min(args.batch, args.seq_len, args.rounds, args.steps) < 1:
         raise ConfigError("--batch, --seq-len, --rounds and --steps must be >= 1")
-    r = bench(args.model, args.batch, args.seq_len, args.rounds, args.steps, args.size, not args.no_backward)
-    keys = ("attention_overhead", "train_step_overhead", "attention_overhead_with_backward",
-            "train_step_overhead_with_backward", "attention_overhead_ratio_of_medians",
-            "train_step_overhead_ratio_of_medians", "correction_cost_vs_step", "checkpoint_restore_cost_vs_step",
-            "recovery_speedup", "faults_corrected_in_recovery_runs", "recovery_faults_injected",
-            "correction_cost_vs_step_from_step_medians", "threads")
+    r = bench(args.model, args.batch, args.seq_len, args.rounds, args.steps, args.size, not args.no_backward,
+              progress=True)
+    title = f"trainguard bench abft: {args.model} ({args.size}), batch {args.batch} x {args.seq_len}"
+    overheads = []
+    for key in ("attention_overhead", "train_step_overhead", "attention_overhead_with_backward",
+                "train_step_overhead_with_backward"):
+        if key in r:
+            lo, hi = r[key + "_ci95"]
+            label = key.replace("_overhead", "").replace("train_step", "step").replace("_with_backward", " +bwd")
+            overheads.append((label, f"{r[key]:+.2%}", f"{lo:+.1%}..{hi:+.1%}", f"{r[key + '_ratio_of_medians']:+.2%}"))
+    rows = {k: r[k] for k in ("correction_cost_vs_step", "checkpoint_restore_cost_vs_step", "recovery_speedup",
+                              "faults_corrected_in_recovery_runs", "recovery_faults_injected",
+                              "correction_cost_vs_step_from_step_medians", "step_pairs", "threads")}
     out = err_console if args.json else console
-    out.print(table(f"trainguard bench abft: {args.model} ({args.size}), batch {args.batch} x {args.seq_len}",
-                    {k: r[k] for k in keys if k in r}))
+    out.print(table(title, overheads, columns=("overhead", "paired median", "95% CI", "ratio of medians")))
+    out.print(table("recovery", rows))
     if args.json:
         emit_json(r)
     return 0

@@ -25,6 +25,8 @@ def register(subparsers) -> None:
     a.add_argument("--seq-len", type=int, default=32)
     a.add_argument("--batch", type=int, default=2)
     a.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    a.add_argument("--size", default="tiny", choices=("tiny", "small", "base"),
+                   help="HF model shape: tiny (2 layers x 64, default) or small/base (GPT-2-small / BERT-base)")
     a.add_argument("--backward", action="store_true", help="also verify the backward-pass attention GEMMs")
     add_json_flag(a)
     a.set_defaults(handler=run_abft)
@@ -34,10 +36,10 @@ def run_abft(args) -> int:
     from trainguard.sdc.abft.campaign import run_campaign
 
     r = run_campaign(args.model, args.fault, args.site, args.trials, args.seed, args.seq_len, args.batch,
-                     args.dtype, progress=True, backward=args.backward)
+                     args.dtype, progress=True, backward=args.backward, size=args.size)
     d = r.to_dict()
     out = err_console if args.json else console
-    out.print(table(f"trainguard campaign abft: {args.model}, {args.fault} @ {args.site}, {args.dtype}",
+    out.print(table(f"trainguard campaign abft: {args.model} ({args.size}), {args.fault} @ {args.site}, {args.dtype}",
                     {k: d[k] for k in KEYS}))
     out.print(table("per product", [(p, v["trials"], v["detected"], v["corrected"]) for p, v in sorted(d["by_product"].items())],
                     columns=("product", "trials", "detected", "corrected")))

@@ -1,0 +1,234 @@
+"""``trainguard bench abft``: the cost of ABFT protection and of recovering from a fault.
+
+Protected and unprotected modes run side by side in one process: in every timed slot each mode runs once,
+back to back, the order flipped every slot, so that both see the same background load. On a shared
+machine whole rounds drift by 30% or more (the host, not this process: CPU time moves with wall time), so
+overheads are *paired*: the median over slots of ``t_abft / t_plain`` measured in the same slot, with a
+bootstrap 95% confidence interval of that median (``*_ci95``). The ratio of per-mode medians is kept as a
+secondary figure (``*_ratio_of_medians``).
+
+Recovery: one NaN per step, injected into each forward product of a middle layer in turn; the
+correction is timed inside the runtime (``ABFTHandle.correction_seconds``, the slow path a flag
+triggers) and compared with reloading a checkpoint (model + optimizer, from disk) and re-running the
+step. Relies on torch, transformers (HF models built from config) and rich (progress bar on stderr).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+from trainguard.sdc.abft import PRODUCTS, ABFTConfig, protect, unprotect
+from trainguard.sdc.abft.campaign import build, vocab_size
+
+
+def _attention_module(model, name: str):
+    if name.startswith("llama"):
+        att = model.layers["0"].attention
+        return lambda x: att(x, model.rope_cos[: x.shape[1]], model.rope_sin[: x.shape[1]])
+    if name in ("gpt2", "gpt-neo"):
+        att = model.transformer.h[0].attn
+        return lambda x: att(x)[0]
+    enc = model.bert if name == "bert" else model.roberta
+    att = enc.encoder.layer[0].attention
+    return lambda x: att(x)[0]
+
+
+def _hidden(model, name: str) -> int:
+    return model.cfg.dim if name.startswith("llama") else model.config.hidden_size
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def median_ci95(ratios: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap 95% interval of the median of ``ratios`` (seeded: the same data give the same
+    interval). With a single value the interval is that value."""
+    if len(ratios) < 2:
+        return (ratios[0], ratios[0]) if ratios else (math.nan, math.nan)
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
+
+
+class _Bar:
+    """A rich progress bar on stderr, or nothing (tests, library use)."""
+
+    def __init__(self, enabled: bool, description: str, total: int):
+        self.bar = None
+        if enabled:
+            from trainguard.cli.output import progress
+
+            self.bar = progress(transient=True, refresh_per_second=2)
+            self.task = self.bar.add_task(description, total=total, info="")
+            self.bar.start()
+
+    def advance(self, info: str = "") -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, info=info)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: int = 5, steps: int = 3,
+          size: str = "small", backward_too: bool = True, progress: bool = True) -> dict[str, Any]:
+    """Protected vs unprotected, side by side (see the module docstring for the estimators).
+
+    ``attention_overhead``: one attention layer, forward + backward (3 slots per round);
+    ``train_step_overhead``: forward, backward, AdamW (``steps`` slots per round); ``_with_backward``: the
+    backward GEMMs verified too. ``correction_cost_vs_step``: median correction time over the plain step;
+    ``checkpoint_restore_cost_vs_step``: reload model + optimizer and re-run the step, over the plain step;
+    ``recovery_speedup`` = restore time / median correction time. ``correction_cost_vs_step_from_step_medians``
+    (faulty minus clean step medians) is a secondary figure.
+    """
+    model, run = build(model_name, size=size)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(3, min(256, vocab_size(model)), (batch, seq_len), generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    att = _attention_module(model, model_name)
+    h = torch.randn(batch, seq_len, _hidden(model, model_name), generator=g, requires_grad=True)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss, _ = run(model, x)
+        loss.backward()
+        opt.step()
+
+    def attention():
+        att(h).sum().backward()
+
+    modes = {"plain": None, "abft": ABFTConfig()}
+    if backward_too:
+        modes["abft+backward"] = ABFTConfig(backward=True)
+    n_recovery = max(len(PRODUCTS), rounds)
+    n_restore = max(3, rounds)
+    bar = _Bar(progress, f"bench abft {model_name}", 1 + rounds * (3 + steps) + n_recovery + n_restore)
+    t_step: dict[str, list[float]] = {m: [] for m in modes}
+    t_att: dict[str, list[float]] = {m: [] for m in modes}
+    pair_step: dict[str, list[float]] = {m: [] for m in modes if m != "plain"}
+    pair_att: dict[str, list[float]] = {m: [] for m in modes if m != "plain"}
+
+    def interleaved(fn, n: int, r: int, what: str) -> dict[str, list[float]]:
+        """``n`` slots; in each, every mode runs ``fn`` once, back to back (order flipped every slot)."""
+        per: dict[str, list[float]] = {m: [] for m in modes}
+        for i in range(n):
+            order = list(modes) if (r + i) % 2 == 0 else list(reversed(list(modes)))
+            for mode in order:
+                cfg = modes[mode]
+                if cfg is not None:
+                    protect(model, cfg)
+                per[mode].append(_timed(fn))
+                if cfg is not None:
+                    unprotect(model)
+            bar.advance(f"round {r + 1}/{rounds} {what}")
+        return per
+
+    try:
+        step()  # warm-up (allocations, optimizer state)
+        interleaved(attention, 1, 0, "warm-up")
+        for r in range(rounds):
+            for fn, n, acc, pairs, what in ((attention, 3, t_att, pair_att, "attention"),
+                                            (step, steps, t_step, pair_step, "step")):
+                per = interleaved(fn, n, r, what)
+                for mode, ts in per.items():
+                    acc[mode].append(statistics.median(ts))
+                    if mode in pairs:
+                        pairs[mode] += [t / p for t, p in zip(ts, per["plain"])]
+        recovery = _recovery(model, step, n_recovery, bar)
+        restore = _restore_cost(model, opt, step, n_restore, bar)
+    finally:
+        bar.stop()
+
+    med = {m: statistics.median(v) for m, v in t_step.items()}
+    med_att = {m: statistics.median(v) for m, v in t_att.items()}
+    t_plain = med["plain"]
+    corr = recovery["corr"]
+    correction = statistics.median(corr) if corr else math.nan
+    step_diff = max(statistics.median(recovery["faulty"]) - statistics.median(recovery["clean"]), 0.0)
+    out: dict[str, Any] = {
+        "model": model_name, "size": size, "batch": batch, "seq_len": seq_len, "rounds": rounds, "steps": steps,
+        "threads": torch.get_num_threads(),
+        "correction_cost_vs_step": correction / t_plain,
+        "checkpoint_restore_cost_vs_step": restore / t_plain,
+        "recovery_speedup": restore / correction if corr else math.nan,
+        "faults_corrected_in_recovery_runs": recovery["corrected"],
+        "recovery_faults_injected": len(recovery["faulty"]),
+        "correction_s": {"median": correction, "max": max(corr) if corr else math.nan, "all": corr},
+        "checkpoint_restore_s": restore,
+        "correction_cost_vs_step_from_step_medians": step_diff / t_plain,
+        "step_s": med, "attention_s": med_att,
+        "step_rounds_s": t_step, "attention_rounds_s": t_att,
+        "step_pairs": len(pair_step["abft"]), "attention_pairs": len(pair_att["abft"]),
+    }
+    for mode, suffix in (("abft", ""), ("abft+backward", "_with_backward")):
+        if mode not in modes:
+            continue
+        for key, pairs, meds in (("attention_overhead", pair_att, med_att), ("train_step_overhead", pair_step, med)):
+            out[key + suffix] = statistics.median(pairs[mode]) - 1
+            out[key + suffix + "_ci95"] = [v - 1 for v in median_ci95(pairs[mode])]
+            out[key + suffix + "_ratio_of_medians"] = meds[mode] / meds["plain"] - 1
+            out[key + suffix + "_pair_ratios"] = pairs[mode]
+    return out
+
+
+def _recovery(model, step, n: int, bar: _Bar) -> dict[str, Any]:
+    """One NaN per step, cycling over the six forward products of a middle layer; the correction is timed
+    directly (``ABFTHandle.correction_seconds``). A fault counts only if it was detected and every flag was
+    corrected or recomputed."""
+    handle = protect(model, ABFTConfig())
+    layer = handle.n_layers // 2
+    clean, faulty, corr = [], [], []
+    corrected = 0
+    try:
+        for i in range(n):
+            clean.append(_timed(step))
+            target = PRODUCTS[i % len(PRODUCTS)]
+            state = {"done": False}
+
+            def hook(lyr, product, t, state=state, target=target):
+                if not state["done"] and lyr == layer and product == target:
+                    state["done"] = True
+                    t.view(-1)[t.numel() // 3] = float("nan")
+                return None
+
+            handle.reset_counters()
+            remove = handle.add_fault_hook(hook)
+            faulty.append(_timed(step))
+            remove()
+            tot = handle.total()
+            if state["done"] and tot["detected"] and tot["corrected"] + tot["recomputed"] == tot["detected"]:
+                corrected += tot["corrected"]
+                corr.append(handle.correction_seconds)
+            bar.advance(f"recovery {i + 1}/{n}: NaN in {target}")
+    finally:
+        unprotect(model)
+    return {"clean": clean, "faulty": faulty, "corr": corr, "corrected": corrected}
+
+
+def _restore_cost(model, opt, step, n: int, bar: _Bar) -> float:
+    """Median time to reload model + optimizer from a checkpoint on disk and re-run the step."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "ckpt.pt")
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+        times = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            ck = torch.load(path)
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optim"])
+            step()
+            times.append(time.perf_counter() - t0)
+            bar.advance(f"checkpoint restore {i + 1}/{n}")
+    return statistics.median(times)
