@@ -48,6 +48,9 @@ class TrainSection:
     log_every: int = 10
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
+    # default | retain: on CPU, keep freed host memory in the process (trainguard.train.host_memory;
+    # large buffers stop page-faulting every step, resident memory stays at its peak)
+    host_memory: str = "default"
 
 
 @dataclass
@@ -113,6 +116,7 @@ class RunConfig:
         _choice("train.dtype", t.dtype, ("fp32", "bf16"))
         _choice("train.activation_checkpoint", t.activation_checkpoint, ("none", "full", "selective"))
         _choice("train.device", t.device, ("auto", "cpu", "cuda"))
+        _choice("train.host_memory", t.host_memory, ("default", "retain"))
         _choice("distributed.backend", dist.backend, ("auto", "gloo", "nccl"))
         if d.seq_len > mc.max_seq_len:
             raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model max_seq_len ({mc.max_seq_len})")

@@ -26,9 +26,10 @@ def test_campaign_abft_bad_input(capsys):
 
 def test_bench_abft_keys(capsys):
     rc = main(["bench", "abft", "--model", "llama-tiny", "--batch", "2", "--seq-len", "16", "--rounds", "1",
-               "--steps", "1", "--json"])
+               "--steps", "1", "--host-memory", "default", "--json"])  # retain is process-wide: not in pytest
     assert rc == 0
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert d["host_memory"] == "default"
     for k in ("attention_overhead", "train_step_overhead", "correction_cost_vs_step",
               "checkpoint_restore_cost_vs_step", "recovery_speedup", "train_step_overhead_ci95"):
         assert k in d

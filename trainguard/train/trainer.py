@@ -33,6 +33,7 @@ from trainguard.models import build_model, lm_loss
 from trainguard.train import snapshot as snap_mod
 from trainguard.train.activation_checkpoint import apply_activation_checkpointing
 from trainguard.train.checkpoint import CheckpointManager
+from trainguard.train.host_memory import retain_freed_memory
 from trainguard.train.metrics import MetricsLogger, peak_memory_mb
 from trainguard.train.optim import build_optimizer, build_scheduler, clip_gradients
 from trainguard.train.snapshot import StepSnapshot
@@ -167,6 +168,8 @@ class Trainer:
         _, _, local_rank = dist_env()
         self.device = resolve_device(cfg, local_rank)
         self.rank, self.world, self._owns_pg = init_distributed(cfg, self.device)
+        if cfg.train.host_memory == "retain" and self.device.type == "cpu":
+            retain_freed_memory()
         if self.world == 1 and cfg.distributed.dp > 1 and self.is_main:
             sys.stderr.write(
                 f"trainguard: note: distributed.dp={cfg.distributed.dp} but not launched under torchrun; "

@@ -16,6 +16,9 @@ def register_bench(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="timed steps per round and mode")
+    p.add_argument("--host-memory", default="retain", choices=("retain", "default"),
+                   help="retain: keep freed CPU memory in the process for both modes (no page faults on every "
+                        "large buffer each step; see trainguard.train.host_memory); default: glibc as is")
     p.add_argument("--no-backward", action="store_true", help="skip the backward-protection measurement")
     add_json_flag(p)
     p.set_defaults(handler=run)
@@ -28,8 +31,9 @@ def run(args) -> int:
     if min(args.batch, args.seq_len, args.rounds, args.steps) < 1:
         raise ConfigError("--batch, --seq-len, --rounds and --steps must be >= 1")
     r = bench(args.model, args.batch, args.seq_len, args.rounds, args.steps, args.size, not args.no_backward,
-              progress=True)
-    title = f"trainguard bench abft: {args.model} ({args.size}), batch {args.batch} x {args.seq_len}"
+              progress=True, host_memory=args.host_memory)
+    title = (f"trainguard bench abft: {args.model} ({args.size}), batch {args.batch} x {args.seq_len}, "
+             f"host memory {r['host_memory']}")
     overheads = []
     for key in ("attention_overhead", "train_step_overhead", "attention_overhead_with_backward",
                 "train_step_overhead_with_backward"):

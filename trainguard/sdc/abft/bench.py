@@ -10,7 +10,8 @@ secondary figure (``*_ratio_of_medians``).
 Recovery: one NaN per step, injected into each forward product of a middle layer in turn; the
 correction is timed inside the runtime (``ABFTHandle.correction_seconds``, the slow path a flag
 triggers) and compared with reloading a checkpoint (model + optimizer, from disk) and re-running the
-step. Relies on torch, transformers (HF models built from config) and rich (progress bar on stderr).
+step. Both modes run under the same host allocator setting (``host_memory``). Relies on torch,
+transformers (HF models built from config) and rich (progress bar on stderr).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from typing import Any, Callable
 
 import torch
 
+from trainguard.errors import ConfigError
 from trainguard.sdc.abft import PRODUCTS, ABFTConfig, protect, unprotect
 from trainguard.sdc.abft.campaign import build, vocab_size
+from trainguard.train.host_memory import host_memory_mode, retain_freed_memory
 
 
 def _attention_module(model, name: str):
@@ -83,7 +86,8 @@ class _Bar:
 
 
 def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: int = 5, steps: int = 3,
-          size: str = "small", backward_too: bool = True, progress: bool = True) -> dict[str, Any]:
+          size: str = "small", backward_too: bool = True, progress: bool = True,
+          host_memory: str = "default") -> dict[str, Any]:
     """Protected vs unprotected, side by side (see the module docstring for the estimators).
 
     ``attention_overhead``: one attention layer, forward + backward (3 slots per round);
@@ -91,8 +95,16 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
     backward GEMMs verified too. ``correction_cost_vs_step``: median correction time over the plain step;
     ``checkpoint_restore_cost_vs_step``: reload model + optimizer and re-run the step, over the plain step;
     ``recovery_speedup`` = restore time / median correction time. ``correction_cost_vs_step_from_step_medians``
-    (faulty minus clean step medians) is a secondary figure.
+    (faulty minus clean step medians) is a secondary figure. ``host_memory``: ``retain`` (what the CLI
+    uses) keeps freed CPU memory in the process for both modes (:mod:`trainguard.train.host_memory`: glibc
+    otherwise page-faults every large buffer again each step, a cost that follows the allocation pattern
+    rather than the work; process-wide, hence not the library default); ``default`` leaves the allocator
+    alone. The mode in force is reported as ``host_memory``.
     """
+    if host_memory not in ("retain", "default"):
+        raise ConfigError(f"unknown host_memory {host_memory!r} (choose retain or default)")
+    if host_memory == "retain":
+        retain_freed_memory()
     model, run = build(model_name, size=size)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(3, min(256, vocab_size(model)), (batch, seq_len), generator=g)
@@ -159,7 +171,7 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
     step_diff = max(statistics.median(recovery["faulty"]) - statistics.median(recovery["clean"]), 0.0)
     out: dict[str, Any] = {
         "model": model_name, "size": size, "batch": batch, "seq_len": seq_len, "rounds": rounds, "steps": steps,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "host_memory": host_memory_mode(),
         "correction_cost_vs_step": correction / t_plain,
         "checkpoint_restore_cost_vs_step": restore / t_plain,
         "recovery_speedup": restore / correction if corr else math.nan,
