@@ -169,7 +169,11 @@ def build_hf_model(name: str, size: str = "tiny", seed: int = 0, dropout: float 
                   eos_token_id=0) if tiny else {}
         if p is not None:
             kw.update(resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
-        return tf.GPT2LMHeadModel(tf.GPT2Config(**kw))
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(**kw))
+        # transformers infers the loss from the class name, finds none for "LMHeadModel" and warns before
+        # falling back to the causal-LM loss: name that loss up front (same loss, no misleading warning)
+        model.loss_type = "ForCausalLM"
+        return model
     if name == "gpt-neo":
         kw = (dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=256, max_position_embeddings=128,
                    attention_types=[[["global", "local"], 1]], window_size=16, bos_token_id=0, eos_token_id=0)
