@@ -39,8 +39,15 @@ def test_grad_accumulation_matches_big_batch(batches):
     gb, ga = _grads(big.model), _grads(acc.model)
     for n in gb:
         torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6)
+    # AdamW's first step moves a weight by lr * g / (|g| + eps): where |g| is near eps (1e-8) it amplifies
+    # the roundoff between the two summation orders (a 4.6e-9 gradient differing by 2% moved its weight by
+    # 1.5e-5 on one host). The gradients are compared above; the update is compared where |g| >> eps.
+    compared = total = 0
     for (n, pb), (_, pa) in zip(big.model.named_parameters(), acc.model.named_parameters()):
-        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-5)
+        sel = (gb[n].abs() > 1e-6) | ((gb[n] == 0) & (ga[n] == 0))  # (zero: unused embedding rows)
+        torch.testing.assert_close(pa[sel], pb[sel], rtol=1e-4, atol=1e-5)
+        compared, total = compared + int(sel.sum()), total + sel.numel()
+    assert compared > 0.9 * total
 
 
 @pytest.mark.parametrize("policy, ops", [("full", "attention"), ("selective", "attention"),
