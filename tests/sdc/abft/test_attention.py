@@ -1,5 +1,6 @@
 """Protected attention on trainguard's LLaMA: equality, injection in forward and backward, frequencies."""
 
+import zlib
 
 import pytest
 import torch
@@ -57,7 +58,8 @@ def test_forward_injection_corrected_in_training(product, kind):
     m, x = _model()
     h = protect(m, ABFTConfig(backward=True))
     ref_out, ref_g = _step(m, x)
-    h.add_fault_hook(OneShot(1, product, VALUES[kind], seed=hash((product, kind)) % 1000))
+    seed = zlib.crc32(f"{product}-{kind}".encode()) % 1000  # (hash() of a str changes with PYTHONHASHSEED)
+    h.add_fault_hook(OneShot(1, product, VALUES[kind], seed=seed))
     out, g = _step(m, x)
     tot = h.total()
     assert tot["detected"] == 1 and tot["corrected"] == 1 and tot["uncorrectable"] == 0
