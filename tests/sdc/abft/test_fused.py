@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from trainguard.sdc.abft import SECTIONS, ABFTConfig, protect
+from trainguard.sdc.abft import SECTIONS, ABFTConfig, protect, unprotect
 from trainguard.sdc.abft import checksums as cks
 from trainguard.sdc.abft.attention import _HeadsQKV, _ScaledSoftmax, causal_bias
 from trainguard.sdc.abft.hf import build_hf_model
@@ -182,3 +182,26 @@ def test_median_ci95_brackets_the_median_and_narrows_with_data():
     assert lo_l < 1.02 < hi_l and (hi_l - lo_l) < (hi_s - lo_s)
     assert median_ci95(small) == (lo_s, hi_s)  # seeded
     assert median_ci95([1.5]) == (1.5, 1.5)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt-neo"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_stacked_qkv_weights_give_the_unprotected_gradients(name, backward):
+    """Linear q / k / v (stacked into one GEMM, its gradient split back into the three weights), with and
+    without backward checks: every parameter gradient as without protection."""
+    m = build_hf_model(name, "tiny", seed=0)
+    x = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def grads():
+        m.zero_grad(set_to_none=True)
+        m(input_ids=x, labels=x).loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    ref = grads()
+    h = protect(m, ABFTConfig(backward=backward))
+    got = grads()
+    unprotect(m)
+    assert got.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6)
+    assert h.total()["detected"] == 0
