@@ -81,6 +81,7 @@ def norms(t: torch.Tensor, dim: int) -> torch.Tensor:
     return (t32 * t32).sum(dim).sqrt()
 
 
+@torch.no_grad()  # checksums are never differentiated: recording them would build (and keep) a graph
 def encode(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Column checksum and row-norm sum of a section input: ``1^T A``, ``sum_i ||A_i||`` (fp32)."""
     return colsum(a), row_norm_sum(a)
@@ -155,6 +156,7 @@ def abs_colsum(a: torch.Tensor) -> torch.Tensor:
     return a.abs().sum(-2, keepdim=True, dtype=torch.float32)
 
 
+@torch.no_grad()  # (as encode: the check's reductions and GEMVs are not part of the autograd graph)
 def detect(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
            a_col: torch.Tensor | None = None, a_rn: torch.Tensor | None = None,
            b_cn: torch.Tensor | None = None, b_nonneg: bool = False, factor: float = 2.0) -> GemmCheck:
