@@ -3,6 +3,7 @@
 Each case runs in a fresh interpreter: the setting is process-wide and must not leak into the test process.
 """
 
+import platform
 import subprocess
 import sys
 
@@ -24,7 +25,8 @@ del t
 print(applied, hm.host_memory_mode(), rss_mb() - before)
 """
 
-linux_glibc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt (Linux)")
+linux_glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                                 reason="glibc mallopt (Linux with glibc)")
 
 
 def _probe(mode: str) -> tuple[str, str, float]:
