@@ -71,6 +71,26 @@ def progress(**kwargs):
     )
 
 
+class TaskBar:
+    """One task on a :func:`progress` bar, or nothing when ``enabled`` is false (library use, tests), so that
+    long loops need no ``if bar is not None`` around every update. Call :meth:`stop` in a ``finally``."""
+
+    def __init__(self, enabled: bool, description: str, total: int, **kwargs):
+        self.bar = None
+        if enabled:
+            self.bar = progress(transient=True, **kwargs)
+            self.task = self.bar.add_task(description, total=total, info="")
+            self.bar.start()
+
+    def advance(self, info: str = "") -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, info=info)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
 def pick_threads(n: int = 0) -> None:
     """Set torch's intra-op threads: ``n`` if > 0; else, on a small machine that is already busy, one
     thread (OpenMP threads competing with other processes for 2 cores made steps ~8x slower)."""

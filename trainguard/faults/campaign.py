@@ -90,13 +90,9 @@ def classify(outcome: TrialOutcome, reference: dict[str, torch.Tensor]) -> tuple
 def run_campaign(trial_fn: Callable[[Fault, int], TrialOutcome], faults: list[Fault], reference: dict[str, torch.Tensor],
                  progress: bool = True, description: str = "campaign") -> CampaignSummary:
     summary = CampaignSummary()
-    bar = None
-    if progress:
-        from trainguard.cli.output import progress as make_progress
+    from trainguard.cli.output import TaskBar
 
-        bar = make_progress(transient=True)
-        task = bar.add_task(description, total=len(faults), info="")
-        bar.start()
+    bar = TaskBar(progress, description, len(faults))
     try:
         for i, fault in enumerate(faults):
             out = trial_fn(fault, i)
@@ -106,11 +102,9 @@ def run_campaign(trial_fn: Callable[[Fault, int], TrialOutcome], faults: list[Fa
             outcome, diff, nonfinite = classify(out, reference)
             setattr(summary, outcome, getattr(summary, outcome) + 1)
             summary.results.append(TrialResult(i, outcome, _fault_dict(fault), out.records, out.final_loss, diff, nonfinite))
-            if bar is not None:
-                bar.update(task, advance=1, info=f"silent {summary.silent}  masked {summary.masked}")
+            bar.advance(f"silent {summary.silent}  masked {summary.masked}")
     finally:
-        if bar is not None:
-            bar.stop()
+        bar.stop()
     return summary
 
 

@@ -22,7 +22,7 @@ import random
 import statistics
 import tempfile
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -30,6 +30,9 @@ from trainguard.errors import ConfigError
 from trainguard.sdc.abft import PRODUCTS, ABFTConfig, protect, unprotect
 from trainguard.sdc.abft.campaign import build, vocab_size
 from trainguard.train.host_memory import host_memory_mode, retain_freed_memory
+
+if TYPE_CHECKING:
+    from trainguard.cli.output import TaskBar
 
 
 def _attention_module(model, name: str):
@@ -64,27 +67,6 @@ def median_ci95(ratios: list[float], resamples: int = 2000, seed: int = 0) -> tu
     return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
 
 
-class _Bar:
-    """A rich progress bar on stderr, or nothing (tests, library use)."""
-
-    def __init__(self, enabled: bool, description: str, total: int):
-        self.bar = None
-        if enabled:
-            from trainguard.cli.output import progress
-
-            self.bar = progress(transient=True, refresh_per_second=2)
-            self.task = self.bar.add_task(description, total=total, info="")
-            self.bar.start()
-
-    def advance(self, info: str = "") -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, advance=1, info=info)
-
-    def stop(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: int = 5, steps: int = 3,
           size: str = "small", backward_too: bool = True, progress: bool = True,
           host_memory: str = "default") -> dict[str, Any]:
@@ -101,6 +83,8 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
     rather than the work; process-wide, hence not the library default); ``default`` leaves the allocator
     alone. The mode in force is reported as ``host_memory``.
     """
+    from trainguard.cli.output import TaskBar
+
     if host_memory not in ("retain", "default"):
         raise ConfigError(f"unknown host_memory {host_memory!r} (choose retain or default)")
     if host_memory == "retain":
@@ -126,7 +110,8 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
         modes["abft+backward"] = ABFTConfig(backward=True)
     n_recovery = max(len(PRODUCTS), rounds)
     n_restore = max(3, rounds)
-    bar = _Bar(progress, f"bench abft {model_name}", 1 + rounds * (3 + steps) + n_recovery + n_restore)
+    bar = TaskBar(progress, f"bench abft {model_name}", 1 + rounds * (3 + steps) + n_recovery + n_restore,
+                  refresh_per_second=2)
     t_step: dict[str, list[float]] = {m: [] for m in modes}
     t_att: dict[str, list[float]] = {m: [] for m in modes}
     pair_step: dict[str, list[float]] = {m: [] for m in modes if m != "plain"}
@@ -195,7 +180,7 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
     return out
 
 
-def _recovery(model, step, n: int, bar: _Bar) -> dict[str, Any]:
+def _recovery(model, step, n: int, bar: TaskBar) -> dict[str, Any]:
     """One NaN per step, cycling over the six forward products of a middle layer; the correction is timed
     directly (``ABFTHandle.correction_seconds``). A fault counts only if it was detected and every flag was
     corrected or recomputed."""
@@ -229,18 +214,20 @@ def _recovery(model, step, n: int, bar: _Bar) -> dict[str, Any]:
     return {"clean": clean, "faulty": faulty, "corr": corr, "corrected": corrected}
 
 
-def _restore_cost(model, opt, step, n: int, bar: _Bar) -> float:
+def _restore_cost(model, opt, step, n: int, bar: TaskBar) -> float:
     """Median time to reload model + optimizer from a checkpoint on disk and re-run the step."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "ckpt.pt")
         torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
-        times = []
-        for i in range(n):
-            t0 = time.perf_counter()
+
+        def restore_and_rerun():
             ck = torch.load(path)
             model.load_state_dict(ck["model"])
             opt.load_state_dict(ck["optim"])
             step()
-            times.append(time.perf_counter() - t0)
+
+        times = []
+        for i in range(n):
+            times.append(_timed(restore_and_rerun))
             bar.advance(f"checkpoint restore {i + 1}/{n}")
     return statistics.median(times)

@@ -134,13 +134,9 @@ def run_campaign(model_name: str = "llama-tiny", fault: str = "nan", site: str =
     result.tolerance = tol = (1e-4 if dtype == "fp32" else 2e-2) * ref_scale
     products = PRODUCTS if site == "any" else (site,)
     model_fault = FaultModel("bitflip" if fault == "bitflip" else fault)
-    bar = None
-    if progress:
-        from trainguard.cli.output import progress as make_progress
+    from trainguard.cli.output import TaskBar
 
-        bar = make_progress(transient=True)
-        task = bar.add_task(f"abft {model_name} {fault}@{site}", total=trials, info="")
-        bar.start()
+    bar = TaskBar(progress, f"abft {model_name} {fault}@{site}", trials)
     try:
         for trial in range(trials):
             layer = int(torch.randint(handle.n_layers, (1,), generator=g))
@@ -179,21 +175,12 @@ def run_campaign(model_name: str = "llama-tiny", fault: str = "nan", site: str =
             bucket["trials"] += 1
             bucket["detected"] += flagged
             bucket["corrected"] += kind == "corrected"
-            if bar is not None:
-                bar.update(task, advance=1, info=f"corrected {result.corrected}  silent {result.silent}")
+            bar.advance(f"corrected {result.corrected}  silent {result.silent}")
         # A last fault-free step: flags here are false positives too.
         handle.reset_counters()
         _step(model, run, x, dtype)
         result.false_positives += handle.total()["detected"]
         result.clean_checks *= 2
     finally:
-        if bar is not None:
-            bar.stop()
+        bar.stop()
     return result
-
-
-def bench(*args, **kwargs):
-    """Moved to :func:`trainguard.sdc.abft.bench.bench` (kept here so old imports keep working)."""
-    from trainguard.sdc.abft.bench import bench as _bench
-
-    return _bench(*args, **kwargs)

@@ -80,13 +80,9 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
     inp, tgt = x[:, :-1], x[:, 1:]
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
     result = StudyResult(model_name, trials)
-    bar = None
-    if progress:
-        from trainguard.cli.output import progress as make_progress
+    from trainguard.cli.output import TaskBar
 
-        bar = make_progress(transient=True)
-        task = bar.add_task("study attention", total=len(faults) * len(PRODUCTS) * trials, info="")
-        bar.start()
+    bar = TaskBar(progress, "study attention", len(faults) * len(PRODUCTS) * trials)
     try:
         for fault in faults:
             fm = FaultModel(fault)
@@ -137,8 +133,7 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
                             seen[obs] = (p, kinds | (prev[1] if prev else set()))
                         else:
                             seen[obs] = (prev[0], prev[1] | kinds)
-                    if bar is not None:
-                        bar.update(task, advance=1, info=f"{fault} in {product}")
+                    bar.advance(f"{fault} in {product}")
                 upstream = OBSERVED[: OBSERVED.index(_NAME[product])] if _NAME[product] not in ("Q", "K", "V") else ()
                 result.table[fault][_NAME[product]] = {
                     obs: ("" if obs in upstream or obs not in seen else
@@ -146,8 +141,7 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
                     for obs in OBSERVED}
                 result.non_trainable[fault][_NAME[product]] = bad_runs / trials
     finally:
-        if bar is not None:
-            bar.stop()
+        bar.stop()
     return result
 
 
