@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from trainguard.errors import ShapeError
 from trainguard.sdc.abft import checksums as cks
+from trainguard.sdc.abft.layout import stacked_rows
 
 SECTIONS = ("AS", "CL", "O")
 PRODUCTS = ("q", "k", "v", "scores", "context", "output")
@@ -55,12 +56,26 @@ for _p, (_ga, _gb) in BACKWARD_PRODUCTS.items():
 class _Spec:
     """What one protected GEMM computes: ``parts`` = ((product, lo, hi, check_backward), ...), the products as
     column blocks ``[lo, hi)`` of the output (``lo = None``: the whole output is one product). A fused QKV
-    projection has three parts."""
+    projection has three parts. ``alpha`` scales the product (batched GEMMs only: the attention scale of
+    ``Q K^T``, applied by the GEMM rather than by a pass over its output)."""
 
-    __slots__ = ("rt", "layer", "parts", "bt")
+    __slots__ = ("rt", "layer", "parts", "bt", "alpha")
 
-    def __init__(self, rt, layer: int, parts: tuple, bt: bool = False):
-        self.rt, self.layer, self.parts, self.bt = rt, layer, parts, bt
+    def __init__(self, rt, layer: int, parts: tuple, bt: bool = False, alpha: float = 1.0):
+        self.rt, self.layer, self.parts, self.bt, self.alpha = rt, layer, parts, bt, alpha
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``alpha * a @ b`` for batched operands of equal batch shape: ``baddbmm`` with beta = 0 scales inside
+    the GEMM (bitwise what a separate multiply gives, without its pass over the output)."""
+    if alpha == 1.0:
+        return torch.matmul(a, b)
+    a3, b3 = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+    # allocated in its final shape (not a view: the softmax may write over it in place)
+    out = torch.empty(*a.shape[:-1], b.shape[-1], dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
+    o3 = out.view(-1, *out.shape[-2:])
+    torch.baddbmm(o3, a3, b3, beta=0, alpha=alpha, out=o3)
+    return out
 
 
 def _any(checks) -> torch.Tensor:
@@ -111,7 +126,7 @@ class ProtectedMatmul(torch.autograd.Function):
             else:
                 torch.mm(a.reshape(-1, a.shape[-1]), bm, out=out.view(-1, bm.shape[-1]))
             return out
-        out = torch.matmul(a, bm)
+        out = _bmm(a, bm, spec.alpha)
         return out + bias if bias is not None else out
 
     @staticmethod
@@ -128,11 +143,12 @@ class ProtectedMatmul(torch.autograd.Function):
         checks = []
         if ctx.needs_input_grad[0]:
             bt = b if spec.bt else b.transpose(-1, -2)
-            ga = torch.matmul(g, bt)
+            ga = _bmm(g, bt, spec.alpha) if b.dim() > 2 else torch.matmul(g, bt)
             for p in parts:
                 rt.fire(layer, BACKWARD_PRODUCTS[p[0]][0], ga)
             if due:
-                checks.append((cks.detect(ga, g, bt, factor=fac), [(BACKWARD_PRODUCTS[due[0][0]][0], None, None)]))
+                checks.append((cks.detect(ga, g, bt, factor=fac, alpha=spec.alpha),
+                               [(BACKWARD_PRODUCTS[due[0][0]][0], None, None)]))
         if ctx.needs_input_grad[1]:
             if b.dim() == 2 and a.dim() > 2:
                 a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
@@ -140,18 +156,18 @@ class ProtectedMatmul(torch.autograd.Function):
                 a2, g2 = a, g
             at = a2.transpose(-1, -2)
             if spec.bt:  # d(b) = dC^T A, in b's (n, k) layout; its transpose A^T dC is what is checked
-                gb = torch.matmul(g2.transpose(-1, -2), a2)
+                gb = _bmm(g2.transpose(-1, -2), a2, spec.alpha)
                 gview = gb.transpose(-1, -2)
             else:
-                gb = gview = torch.matmul(at, g2)
+                gb = gview = _bmm(at, g2, spec.alpha) if b.dim() > 2 else torch.matmul(at, g2)
             for p, plo, phi, _ in parts:
                 rt.fire(layer, BACKWARD_PRODUCTS[p][1], gb if plo is None else gview[..., plo:phi])
             if due:
                 lo, hi = due[0][1], due[-1][2]
                 if lo is None or (lo == 0 and hi == gview.shape[-1]):
-                    chk = cks.detect(gview, at, g2, factor=fac)
+                    chk = cks.detect(gview, at, g2, factor=fac, alpha=spec.alpha)
                 else:
-                    chk = cks.detect(gview[..., lo:hi], at, g2[..., lo:hi], factor=fac)
+                    chk = cks.detect(gview[..., lo:hi], at, g2[..., lo:hi], factor=fac, alpha=spec.alpha)
                 checks.append((chk, [(BACKWARD_PRODUCTS[p][1], None if plo is None else plo - (lo or 0),
                                       None if plo is None else phi - (lo or 0)) for p, plo, phi, _ in due]))
             if gb.dim() > b.dim():
@@ -166,17 +182,23 @@ class ProtectedMatmul(torch.autograd.Function):
 
 
 class _ScaledSoftmax(torch.autograd.Function):
-    """``softmax(bias + scale * scores)`` in fp32 with one (B, H, T, T) temporary instead of three: on CPU
-    the logits buffer becomes the probabilities (the softmax kernel works row by row), and the backward
-    scales the softmax gradient in place. ``bias`` is an additive mask (no gradient)."""
+    """``softmax(bias + scale * scores)`` in fp32 without (B, H, T, T) temporaries on CPU: the softmax kernel
+    works row by row, so it writes the probabilities over its input. With ``scale = 1`` (the kernel folds
+    the attention scale into the ``Q K^T`` GEMM) that input is the scores buffer itself: the product is
+    verified by then and no GEMM's backward needs it. Otherwise one logits buffer is made, and the
+    backward scales the softmax gradient in place. ``bias`` is an additive mask (no gradient)."""
 
     @staticmethod
     def forward(ctx, scores, bias, scale):
-        if bias is not None:
+        cpu32 = scores.dtype == torch.float32 and scores.device.type == "cpu"
+        if cpu32 and scale == 1.0:
+            logits = scores if bias is None else scores.add_(bias)
+            ctx.mark_dirty(scores)
+        elif bias is not None:
             logits = torch.add(bias, scores, alpha=scale) if scale != 1.0 else bias + scores
         else:
-            logits = scores * scale
-        if logits.dtype == torch.float32 and logits.device.type == "cpu":
+            logits = scores * scale if scale != 1.0 else scores
+        if cpu32:
             probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)
         else:
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -265,8 +287,8 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
 
     ``pk = pv = None``: ``pq`` is a fused QKV projection (weight (D, 3 H d), columns q | k | v, as GPT-2's
     ``c_attn``): one GEMM and one check for the three products. ``bias_fn(tq, tk, dtype, device)`` returns
-    an additive mask broadcastable to the scores (or None), added as ``bias + scale * scores`` (one fused
-    op); ``mask_fn`` (used if no ``bias_fn``) maps scaled scores to masked scores. ``rope`` rotates
+    an additive mask broadcastable to the scores (or None), added into the scores buffer; the scores are
+    ``scale * Q K^T`` (the GEMM's alpha); ``mask_fn`` (used if no ``bias_fn``) maps them to masked scores. ``rope`` rotates
     (B, H, T, d) Q/K; ``kv_update`` maps (k, v) heads to the full (cached) k, v; ``upcast_scores``
     computes ``Q K^T`` in fp32.
     """
@@ -317,7 +339,7 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
         if fused:   # GPT-2's c_attn: x @ W + b, W (D, 3 H d)
             w_qkv, b_qkv, bt = pq.w, pq.bias, False
         else:       # Linear q / k / v: their (out, in) weights stacked, x @ [Wq; Wk; Wv]^T in one GEMM
-            w_qkv, bt = torch.cat([pq.w.t(), pk.w.t(), pv.w.t()]), True
+            w_qkv, bt = stacked_rows((pq.w.t(), pk.w.t(), pv.w.t())), True   # a view if they share storage
             biases = (pq.bias, pk.bias, pv.bias)
             b_qkv = None if all(b_ is None for b_ in biases) else torch.cat(
                 [b_ if b_ is not None else torch.zeros(hd, dtype=dtype, device=x.device) for b_ in biases])
@@ -357,7 +379,8 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
         def scores_check(qh, kh, scores, k_col):
             # row sums of AS = Q (K^T 1): checked as the columns of AS^T = K Q^T, carrying K's checksum
             k_col = cks.colsum(kh) if k_col is None else _heads_vec(k_col, n_heads, head_dim)
-            return cks.detect(scores.transpose(-1, -2), kh, qh.transpose(-1, -2), a_col=k_col, factor=fac)
+            return cks.detect(scores.transpose(-1, -2), kh, qh.transpose(-1, -2), a_col=k_col, factor=fac,
+                              alpha=scale)
 
         changed = set()
         if kv_update is not None and proj_checks:  # the cache must only ever see verified K / V
@@ -367,7 +390,11 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
                 rt.correction_seconds += time.perf_counter() - t0
             proj_checks = []
         qh, kh, vh = heads()
-        scores = ProtectedMatmul.apply(qh, kh, None, _Spec(rt, layer, (("scores", None, None, bwd and due_as),), True))
+        def scores_gemm(qh, kh):  # alpha * Q K^T: the attention scale is applied by the GEMM
+            return ProtectedMatmul.apply(qh, kh, None, _Spec(rt, layer, (("scores", None, None, bwd and due_as),),
+                                                             True, scale))
+
+        scores = scores_gemm(qh, kh)
         rt.fire(layer, "scores", scores)
         scores_chk = scores_check(qh, kh, scores, k_col) if due_as else None
 
@@ -380,20 +407,19 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
                 qh2, kh2, vh = heads()
                 if changed & {"q", "k"}:
                     qh, kh = qh2, kh2
-                    scores = ProtectedMatmul.apply(qh, kh, None,
-                                                   _Spec(rt, layer, (("scores", None, None, bwd and due_as),), True))
+                    scores = scores_gemm(qh, kh)
                     scores_chk = scores_check(qh, kh, scores, None) if due_as else None
             if scores_chk is not None and bool(scores_chk.any()):
                 rt.record(layer, "scores", cks.resolve(scores_chk, **rt.resolve_kw()))
             rt.correction_seconds += time.perf_counter() - t0
         bias = bias_fn(scores.shape[-2], scores.shape[-1], scores.dtype, scores.device) if bias_fn else None
         if bias_fn is None and mask_fn is not None:
-            probs = torch.softmax(mask_fn(scores * scale), dim=-1, dtype=torch.float32)
+            probs = torch.softmax(mask_fn(scores), dim=-1, dtype=torch.float32)
         elif bias is not None and (bias.requires_grad or bias.dim() > scores.dim() or any(
                 b_ not in (1, s_) for b_, s_ in zip(reversed(bias.shape), reversed(scores.shape)))):
-            probs = torch.softmax(torch.add(bias, scores, alpha=scale), dim=-1, dtype=torch.float32)
+            probs = torch.softmax(bias + scores, dim=-1, dtype=torch.float32)
         else:
-            probs = _ScaledSoftmax.apply(scores, bias, scale)
+            probs = _ScaledSoftmax.apply(scores, bias, 1.0)
         probs = probs.to(vh.dtype)
         if dropout_p > 0.0:
             probs = F.dropout(probs, p=dropout_p, training=True)

@@ -63,6 +63,27 @@ def underflow_floor(m: int, out_dtype: torch.dtype, factor: float) -> float:
     return factor * m * fi.smallest_normal * fi.eps
 
 
+_TINY32 = torch.finfo(torch.float32).tiny  # smallest normal fp32
+
+
+def threshold(mag: torch.Tensor, scale: float, floor: float) -> torch.Tensor:
+    """``scale * mag + floor`` (fp32), or a bound at most 2^-20 (relative) above it, computed without
+    subnormal numbers.
+
+    For fp32 products the underflow floor ``tau m eta`` is itself subnormal (about 1e-43), and adding a
+    subnormal to every element runs the CPU's microcode assist path: ~15x slower on this machine (70 us
+    instead of 5 us per check). So when ``floor`` is below the smallest normal number N, with
+    ``delta = min(2^-20, floor / N)`` the threshold is ``max(scale (1 + delta) mag, floor (1 + 1/delta))``,
+    never below ``scale mag + floor``: where ``scale mag >= floor / delta`` the first term exceeds it by
+    ``delta scale mag >= floor``; elsewhere the second term does. Both constants are normal
+    (``floor / delta >= N``); the second term only matters for columns whose magnitude is essentially zero.
+    """
+    if floor >= _TINY32:
+        return torch.mul(mag, scale).add_(floor)
+    delta = min(2.0 ** -20, floor / _TINY32)
+    return torch.mul(mag, scale * (1.0 + delta)).clamp_min_(floor * (1.0 + 1.0 / delta))
+
+
 def colsum(t: torch.Tensor) -> torch.Tensor:
     """fp32 column sums (over dim -2), keepdim: (..., 1, n)."""
     return t.sum(-2, keepdim=True, dtype=torch.float32)
@@ -122,6 +143,7 @@ class GemmCheck:
     tol: torch.Tensor
     flag: torch.Tensor         # (..., 1, n) bool
     factor: float
+    alpha: float = 1.0         # the GEMM computed alpha * A @ B (+ bias)
 
     def any(self) -> torch.Tensor:
         return self.flag.any()
@@ -135,7 +157,7 @@ class GemmCheck:
         return GemmCheck(c=self.c[..., lo:hi], a=self.a, b=self.b[..., lo:hi],
                          bias=self.bias[lo:hi] if self.bias is not None else None, col=cut(self.col),
                          expected=cut(self.expected), mag=cut(self.mag), tol=cut(self.tol), flag=cut(self.flag),
-                         factor=self.factor)
+                         factor=self.factor, alpha=self.alpha)
 
 
 def row_norm_sum(a: torch.Tensor) -> torch.Tensor:
@@ -159,8 +181,10 @@ def abs_colsum(a: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()  # (as encode: the check's reductions and GEMVs are not part of the autograd graph)
 def detect(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
            a_col: torch.Tensor | None = None, a_rn: torch.Tensor | None = None,
-           b_cn: torch.Tensor | None = None, b_nonneg: bool = False, factor: float = 2.0) -> GemmCheck:
-    """Fast-path detection for ``c = a @ b + bias`` (see the module docstring for the bound).
+           b_cn: torch.Tensor | None = None, b_nonneg: bool = False, factor: float = 2.0,
+           alpha: float = 1.0) -> GemmCheck:
+    """Fast-path detection for ``c = alpha * a @ b + bias`` (see the module docstring for the bound; a GEMM's
+    ``alpha`` scales the product, its checksum and its roundoff alike).
 
     ``a_col`` (..., 1, k): carried checksum ``1^T A``; ``a_rn`` (..., 1, 1): ``sum_i ||A_i||``; ``b_cn``
     (..., 1, n) or broadcastable (or a float): column norms ``||B_:j||`` (or an upper bound of them).
@@ -181,15 +205,17 @@ def detect(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
             b_cn = col_norms(b)
         expected = torch.matmul(a_col, b32)
         mag = a_rn * b_cn
+    if alpha != 1.0:
+        expected, mag = expected * alpha, mag * abs(alpha)
     if bias is not None:
         bias32 = bias.float()
         expected = torch.add(expected, bias32, alpha=m)
         mag = torch.add(mag, bias32.abs(), alpha=m)
     col = colsum(c)
-    tol = torch.mul(mag, tolerance_scale(k, m, c.dtype, factor)).add_(underflow_floor(m, c.dtype, factor))
+    tol = threshold(mag, tolerance_scale(k, m, c.dtype, factor), underflow_floor(m, c.dtype, factor))
     flag = torch.le((col - expected).abs_(), tol).logical_not_()
     return GemmCheck(c=c, a=a, b=b, bias=bias, col=col, expected=expected, mag=mag, tol=tol, flag=flag,
-                     factor=factor)
+                     factor=factor, alpha=alpha)
 
 
 def _batch_rows(t: torch.Tensor, batch_shape: torch.Size, idx: torch.Tensor) -> torch.Tensor:
@@ -235,6 +261,8 @@ def resolve(chk: GemmCheck, *, correct: bool = True, recompute: bool = True,
         cb = _batch_rows(c, batch_shape, bidx).float().clone()     # (nf, m, n)
         ab = _batch_rows(a, batch_shape, bidx).float()
         bb = _batch_rows(b, batch_shape, bidx).float()
+        if chk.alpha != 1.0:  # alpha * (A B) = A (alpha B): everything below is for the scaled operand
+            bb = bb * chk.alpha
         bias32 = bias.float() if bias is not None else None
         s1 = chk.expected.expand_as(chk.col).reshape(nb, n)[bidx]
         tol1 = chk.tol.expand_as(chk.col).reshape(nb, n)[bidx]
@@ -246,7 +274,7 @@ def resolve(chk: GemmCheck, *, correct: bool = True, recompute: bool = True,
         if bias32 is not None:
             s2 = s2 + wm.sum() * bias32
             mag2 = mag2 + wm.sum() * bias32.abs()
-        tol2 = scale * mag2 + underflow_floor(m * m, c.dtype, chk.factor)
+        tol2 = threshold(mag2, scale, underflow_floor(m * m, c.dtype, chk.factor))
         settled = ~fb                                   # columns that need nothing
         # 1) columns (0D and 1R patterns)
         fi, fj = fb.nonzero(as_tuple=True)
@@ -272,8 +300,8 @@ def resolve(chk: GemmCheck, *, correct: bool = True, recompute: bool = True,
                 r1, r2 = r1 + bias32.sum(), r2 + (wn * bias32).sum()
                 rmag, rmag2 = rmag + bias32.abs().sum(), rmag2 + (wn * bias32.abs()).sum()
             rscale = tolerance_scale(k, n, c.dtype, chk.factor)
-            rtol = rscale * rmag + underflow_floor(n, c.dtype, chk.factor)
-            rtol2 = rscale * rmag2 + underflow_floor(n * n, c.dtype, chk.factor)
+            rtol = threshold(rmag, rscale, underflow_floor(n, c.dtype, chk.factor))
+            rtol2 = threshold(rmag2, rscale, underflow_floor(n * n, c.dtype, chk.factor))
             rows = cb.sum(-1)
             rflag = ~((rows - r1).abs() <= rtol)
             ri, rr = rflag.nonzero(as_tuple=True)

@@ -128,6 +128,10 @@ def patch(model: nn.Module, handle) -> None:
         had = "forward" in mod.__dict__
         handle._restore.append((mod, had, mod.__dict__.get("forward")))
         mod.forward = types.MethodType(_FORWARDS[kind](handle, layer), mod)
+        if kind == "bert":
+            handle.share_qkv_storage([mod.self.query, mod.self.key, mod.self.value])
+        elif kind == "gpt-neo":
+            handle.share_qkv_storage([mod.q_proj, mod.k_proj, mod.v_proj])
     handle.n_layers = len(targets)
     handle.kind = "hf"
 

@@ -39,6 +39,7 @@ from trainguard.sdc.abft import eec
 from trainguard.sdc.abft.attention import (PRODUCTS, SECTION_OF, SECTIONS, causal_bias, linear_proj,
                                           protected_attention)
 from trainguard.sdc.abft.checksums import Outcome
+from trainguard.sdc.abft.layout import share_storage
 
 FaultHook = Callable[[int, str, torch.Tensor], "torch.Tensor | None"]
 _ATTR = "_trainguard_abft"
@@ -88,6 +89,7 @@ class ABFTHandle:
     step: int = 0
     _hooks: dict = field(default_factory=dict)
     _restore: list = field(default_factory=list)
+    _shared: list = field(default_factory=list)   # [q, k, v] Linears whose weights share one storage
     kind: str = ""
     n_layers: int = 0
     #: wall time spent in the slow path (location, correction, recomputation after a flag), perf_counter
@@ -139,6 +141,12 @@ class ABFTHandle:
                     view.copy_(r)
             if view is not t:
                 t.copy_(view)
+
+    def share_qkv_storage(self, linears: list) -> None:
+        """Back the q / k / v weights with one storage (see :mod:`trainguard.sdc.abft.layout`): the fused QKV
+        GEMM then reads them without stacking them first."""
+        if share_storage(linears):
+            self._shared.append(linears)
 
     def resolve_kw(self) -> dict:
         return dict(correct=self.cfg.correct, recompute=self.cfg.recompute, near_inf=self.cfg.near_inf,
@@ -199,6 +207,7 @@ def _protect_llama(model, handle: ABFTHandle) -> None:
         att = block.attention
         handle._restore.append((att, att.kernel))
         att.kernel = _llama_kernel(handle, int(key))
+        handle.share_qkv_storage([att.wq, att.wk, att.wv])
         handle.n_layers += 1
     handle.kind = "llama"
 
