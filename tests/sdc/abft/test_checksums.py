@@ -101,3 +101,24 @@ def test_low_precision_correction(dtype):
     out = cks.resolve(cks.detect(c, a, b))
     assert out.kind == "corrected"
     assert torch.allclose(c.float(), ref.float(), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("alpha", [0.125, 0.1, -3.0])
+def test_alpha_scaled_product_checked_and_corrected(alpha):
+    """``C = alpha A B`` (the scores GEMM applies the attention scale as its alpha): a clean product is not
+    flagged, an error is located and corrected to the alpha-scaled value, a 2D pattern is recomputed with
+    the alpha."""
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(2, 3, 40, 16, generator=g), torch.randn(2, 3, 16, 40, generator=g)
+    c = torch.baddbmm(torch.empty(6, 40, 40), a.view(6, 40, 16), b.view(6, 16, 40), beta=0, alpha=alpha)
+    c = c.view(2, 3, 40, 40)
+    ref = c.clone()
+    assert not bool(cks.detect(c, a, b, alpha=alpha).any())
+    assert bool(cks.detect(c, a, b).any())       # the same product checked without its alpha is flagged
+    c[1, 2, 7, 30] = float("inf")
+    chk = cks.detect(c, a, b, alpha=alpha)
+    out = cks.resolve(chk)
+    assert out.kind == "corrected" and torch.allclose(c, ref, atol=1e-4)
+    c[0, 1, 3:9, 2:6] = 5.0                      # 2D: uncorrectable, recomputed from A, B and alpha
+    out = cks.resolve(cks.detect(c, a, b, alpha=alpha))
+    assert out.kind == "uncorrectable" and out.recomputed and torch.allclose(c, ref, atol=1e-4)

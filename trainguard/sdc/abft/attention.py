@@ -70,6 +70,8 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
     the GEMM (bitwise what a separate multiply gives, without its pass over the output)."""
     if alpha == 1.0:
         return torch.matmul(a, b)
+    if a.shape[:-2] != b.shape[:-2]:  # broadcast batch dims: matmul, then the scale as its own pass
+        return torch.matmul(a, b).mul_(alpha)
     a3, b3 = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
     # allocated in its final shape (not a view: the softmax may write over it in place)
     out = torch.empty(*a.shape[:-1], b.shape[-1], dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
@@ -288,8 +290,8 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
     ``pk = pv = None``: ``pq`` is a fused QKV projection (weight (D, 3 H d), columns q | k | v, as GPT-2's
     ``c_attn``): one GEMM and one check for the three products. ``bias_fn(tq, tk, dtype, device)`` returns
     an additive mask broadcastable to the scores (or None), added into the scores buffer; the scores are
-    ``scale * Q K^T`` (the GEMM's alpha); ``mask_fn`` (used if no ``bias_fn``) maps them to masked scores. ``rope`` rotates
-    (B, H, T, d) Q/K; ``kv_update`` maps (k, v) heads to the full (cached) k, v; ``upcast_scores``
+    ``scale * Q K^T`` (the GEMM's alpha); ``mask_fn`` (used if no ``bias_fn``) maps them to masked scores.
+    ``rope`` rotates (B, H, T, d) Q/K; ``kv_update`` maps (k, v) heads to the full (cached) k, v; ``upcast_scores``
     computes ``Q K^T`` in fp32.
     """
     if x.dim() != 3:
