@@ -44,6 +44,15 @@ def test_stacking_falls_back_to_a_copy_when_the_layout_moved():
     assert all(torch.equal(x.grad, torch.ones_like(x)) for x in ws)
 
 
+def test_stacking_falls_back_when_shared_weights_are_out_of_order():
+    lins = _linears(4)
+    share_storage(lins)
+    a, b = lins[0].weight.data, lins[1].weight.data
+    lins[0].weight.data, lins[1].weight.data = b, a          # one storage, but k before q
+    ws = tuple(lin.weight for lin in lins)
+    assert torch.equal(stacked_rows(ws), torch.cat([x.detach() for x in ws]))
+
+
 def test_share_storage_refuses_mixed_dtypes_and_keeps_values():
     lins = _linears(2)
     lins[2].double()
