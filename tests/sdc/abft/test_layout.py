@@ -1,5 +1,6 @@
 """One storage for q / k / v weights (stacked without a copy), and the subnormal-free threshold."""
 
+import sys
 import warnings
 
 import pytest
@@ -89,8 +90,7 @@ def test_protected_training_on_shared_storage_matches_copied_stacking(name, monk
         unprotect(m1)
         plain_logits = m1(input_ids=x).logits
     assert torch.allclose(protected_logits, plain_logits, atol=1e-5)
-    import trainguard.sdc.abft.protect  # noqa: F401  (the module, not the function the package exports)
-    import sys
+    # the module, not the function of the same name that the package exports
     monkeypatch.setattr(sys.modules["trainguard.sdc.abft.protect"], "share_storage", lambda linears: False)
     m2 = build_hf_model(name, "tiny", seed=0)
     protect(m2, ABFTConfig())

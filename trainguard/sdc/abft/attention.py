@@ -66,12 +66,11 @@ class _Spec:
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``alpha * a @ b`` for batched operands of equal batch shape: ``baddbmm`` with beta = 0 scales inside
-    the GEMM (bitwise what a separate multiply gives, without its pass over the output)."""
+    """``alpha * a @ b``; with ``alpha != 1`` the operands are batched with equal batch shapes (the scores
+    GEMM and its gradients): ``baddbmm`` with beta = 0 scales inside the GEMM (bitwise what a separate
+    multiply gives, without its pass over the output)."""
     if alpha == 1.0:
         return torch.matmul(a, b)
-    if a.shape[:-2] != b.shape[:-2]:  # broadcast batch dims: matmul, then the scale as its own pass
-        return torch.matmul(a, b).mul_(alpha)
     a3, b3 = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
     # allocated in its final shape (not a view: the softmax may write over it in place)
     out = torch.empty(*a.shape[:-1], b.shape[-1], dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
@@ -145,7 +144,7 @@ class ProtectedMatmul(torch.autograd.Function):
         checks = []
         if ctx.needs_input_grad[0]:
             bt = b if spec.bt else b.transpose(-1, -2)
-            ga = _bmm(g, bt, spec.alpha) if b.dim() > 2 else torch.matmul(g, bt)
+            ga = _bmm(g, bt, spec.alpha)
             for p in parts:
                 rt.fire(layer, BACKWARD_PRODUCTS[p[0]][0], ga)
             if due:
@@ -161,7 +160,7 @@ class ProtectedMatmul(torch.autograd.Function):
                 gb = _bmm(g2.transpose(-1, -2), a2, spec.alpha)
                 gview = gb.transpose(-1, -2)
             else:
-                gb = gview = _bmm(at, g2, spec.alpha) if b.dim() > 2 else torch.matmul(at, g2)
+                gb = gview = _bmm(at, g2, spec.alpha)
             for p, plo, phi, _ in parts:
                 rt.fire(layer, BACKWARD_PRODUCTS[p][1], gb if plo is None else gview[..., plo:phi])
             if due:
@@ -291,8 +290,8 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
     ``c_attn``): one GEMM and one check for the three products. ``bias_fn(tq, tk, dtype, device)`` returns
     an additive mask broadcastable to the scores (or None), added into the scores buffer; the scores are
     ``scale * Q K^T`` (the GEMM's alpha); ``mask_fn`` (used if no ``bias_fn``) maps them to masked scores.
-    ``rope`` rotates (B, H, T, d) Q/K; ``kv_update`` maps (k, v) heads to the full (cached) k, v; ``upcast_scores``
-    computes ``Q K^T`` in fp32.
+    ``rope`` rotates (B, H, T, d) Q/K; ``kv_update`` maps (k, v) heads to the full (cached) k, v;
+    ``upcast_scores`` computes ``Q K^T`` in fp32.
     """
     if x.dim() != 3:
         raise ShapeError(f"protected attention expects (batch, seq, hidden) input, got shape {tuple(x.shape)}")
@@ -392,6 +391,7 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
                 rt.correction_seconds += time.perf_counter() - t0
             proj_checks = []
         qh, kh, vh = heads()
+
         def scores_gemm(qh, kh):  # alpha * Q K^T: the attention scale is applied by the GEMM
             return ProtectedMatmul.apply(qh, kh, None, _Spec(rt, layer, (("scores", None, None, bwd and due_as),),
                                                              True, scale))

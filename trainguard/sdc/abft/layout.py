@@ -28,9 +28,10 @@ def _back_to_back(ws: tuple[torch.Tensor, ...]) -> bool:
     if not w0.is_contiguous():
         return False
     nxt = w0.data_ptr() + w0.numel() * w0.element_size()
+    storage = w0.untyped_storage().data_ptr()
     for w in ws[1:]:
         if (not w.is_contiguous() or w.dtype != w0.dtype or w.device != w0.device or w.shape[1:] != w0.shape[1:]
-                or w.data_ptr() != nxt or w.untyped_storage().data_ptr() != w0.untyped_storage().data_ptr()):
+                or w.data_ptr() != nxt or w.untyped_storage().data_ptr() != storage):
             return False
         nxt += w.numel() * w.element_size()
     return True
