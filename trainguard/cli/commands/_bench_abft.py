@@ -19,6 +19,8 @@ def register_bench(subparsers) -> None:
     p.add_argument("--host-memory", default="retain", choices=("retain", "default"),
                    help="retain: keep freed CPU memory in the process for both modes (no page faults on every "
                         "large buffer each step; see trainguard.train.host_memory); default: glibc as is")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: CUDA when present, else CPU (default)")
     p.add_argument("--no-backward", action="store_true", help="skip the backward-protection measurement")
     add_json_flag(p)
     p.set_defaults(handler=run)
@@ -31,8 +33,8 @@ def run(args) -> int:
     if min(args.batch, args.seq_len, args.rounds, args.steps) < 1:
         raise ConfigError("--batch, --seq-len, --rounds and --steps must be >= 1")
     r = bench(args.model, args.batch, args.seq_len, args.rounds, args.steps, args.size, not args.no_backward,
-              progress=True, host_memory=args.host_memory)
-    title = (f"trainguard bench abft: {args.model} ({args.size}), batch {args.batch} x {args.seq_len}, "
+              progress=True, host_memory=args.host_memory, device=args.device)
+    title = (f"trainguard bench abft: {args.model} ({args.size}) on {r['device']}, batch {args.batch} x {args.seq_len}, "
              f"host memory {r['host_memory']}")
     overheads = []
     for key in ("attention_overhead", "train_step_overhead", "attention_overhead_with_backward",

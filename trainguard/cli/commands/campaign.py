@@ -27,6 +27,8 @@ def register(subparsers) -> None:
     a.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     a.add_argument("--size", default="tiny", choices=("tiny", "small", "base"),
                    help="HF model shape: tiny (2 layers x 64, default) or small/base (GPT-2-small / BERT-base)")
+    a.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: CUDA when present, else CPU (default)")
     a.add_argument("--backward", action="store_true", help="also verify the backward-pass attention GEMMs")
     add_json_flag(a)
     a.set_defaults(handler=run_abft)
@@ -36,10 +38,12 @@ def run_abft(args) -> int:
     from trainguard.sdc.abft.campaign import run_campaign
 
     r = run_campaign(args.model, args.fault, args.site, args.trials, args.seed, args.seq_len, args.batch,
-                     args.dtype, progress=True, backward=args.backward, size=args.size)
+                     args.dtype, progress=True, backward=args.backward, size=args.size,
+                     device=args.device)
     d = r.to_dict()
     out = err_console if args.json else console
-    out.print(table(f"trainguard campaign abft: {args.model} ({args.size}), {args.fault} @ {args.site}, {args.dtype}",
+    out.print(table(f"trainguard campaign abft: {args.model} ({args.size}) on {d['device']}, {args.fault} @ {args.site}, "
+                    f"{args.dtype}",
                     {k: d[k] for k in KEYS}))
     out.print(table("per product", [(p, v["trials"], v["detected"], v["corrected"]) for p, v in sorted(d["by_product"].items())],
                     columns=("product", "trials", "detected", "corrected")))

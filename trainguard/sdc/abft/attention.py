@@ -79,6 +79,14 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
     return out
 
 
+def _since(t0: float, t: torch.Tensor) -> float:
+    """Seconds since ``t0`` for slow-path work on ``t``'s device: on CUDA the recomputations it queued are
+    waited for, so that ``correction_seconds`` counts them (the slow path syncs anyway, to locate)."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+    return time.perf_counter() - t0
+
+
 def _any(checks) -> torch.Tensor:
     """One flag for several pending checks (evaluating it is the one host sync)."""
     if len(checks) == 1:
@@ -176,7 +184,7 @@ class ProtectedMatmul(torch.autograd.Function):
         if checks and bool(_any([c for c, _ in checks])):
             t0 = time.perf_counter()
             _resolve_parts(rt, layer, checks)
-            rt.correction_seconds += time.perf_counter() - t0
+            rt.correction_seconds += _since(t0, g)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gbias = g.reshape(-1, g.shape[-1]).sum(0)
         return ga, gb, gbias, None
@@ -388,7 +396,7 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
             if bool(_any([c for c, _ in proj_checks])):
                 t0 = time.perf_counter()
                 changed = _resolve_parts(rt, layer, proj_checks)
-                rt.correction_seconds += time.perf_counter() - t0
+                rt.correction_seconds += _since(t0, x)
             proj_checks = []
         qh, kh, vh = heads()
 
@@ -413,7 +421,7 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
                     scores_chk = scores_check(qh, kh, scores, None) if due_as else None
             if scores_chk is not None and bool(scores_chk.any()):
                 rt.record(layer, "scores", cks.resolve(scores_chk, **rt.resolve_kw()))
-            rt.correction_seconds += time.perf_counter() - t0
+            rt.correction_seconds += _since(t0, scores)
         bias = bias_fn(scores.shape[-2], scores.shape[-1], scores.dtype, scores.device) if bias_fn else None
         if bias_fn is None and mask_fn is not None:
             probs = torch.softmax(mask_fn(scores), dim=-1, dtype=torch.float32)
@@ -458,7 +466,7 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
                 out, out_chk = output(ctx, False)  # from the corrected CL
             if out_chk is not None and bool(out_chk.any()):
                 rt.record(layer, "output", cks.resolve(out_chk, **rt.resolve_kw()))
-            rt.correction_seconds += time.perf_counter() - t0
+            rt.correction_seconds += _since(t0, out)
     return out, probs
 
 

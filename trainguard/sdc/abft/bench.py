@@ -10,7 +10,9 @@ secondary figure (``*_ratio_of_medians``).
 Recovery: one NaN per step, injected into each forward product of a middle layer in turn; the
 correction is timed inside the runtime (``ABFTHandle.correction_seconds``, the slow path a flag
 triggers) and compared with reloading a checkpoint (model + optimizer, from disk) and re-running the
-step. Both modes run under the same host allocator setting (``host_memory``). Relies on torch,
+step. Both modes run under the same host allocator setting (``host_memory``). On CUDA every timed call
+ends with ``torch.cuda.synchronize()`` (kernels are asynchronous: without it the host time would be the
+launch time); ``host_memory`` concerns the CPU allocator only. Relies on torch,
 transformers (HF models built from config) and rich (progress bar on stderr).
 """
 
@@ -28,7 +30,7 @@ import torch
 
 from trainguard.errors import ConfigError
 from trainguard.sdc.abft import PRODUCTS, ABFTConfig, protect, unprotect
-from trainguard.sdc.abft.campaign import build, vocab_size
+from trainguard.sdc.abft.campaign import build, pick_device, vocab_size
 from trainguard.train.host_memory import host_memory_mode, retain_freed_memory
 
 if TYPE_CHECKING:
@@ -51,10 +53,18 @@ def _hidden(model, name: str) -> int:
     return model.cfg.dim if name.startswith("llama") else model.config.hidden_size
 
 
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    """Wall time of ``fn()``, including the device work it queued (a CUDA sync before and after)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    return timed
 
 
 def median_ci95(ratios: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -69,7 +79,7 @@ def median_ci95(ratios: list[float], resamples: int = 2000, seed: int = 0) -> tu
 
 def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: int = 5, steps: int = 3,
           size: str = "small", backward_too: bool = True, progress: bool = True,
-          host_memory: str = "default") -> dict[str, Any]:
+          host_memory: str = "default", device: str = "cpu") -> dict[str, Any]:
     """Protected vs unprotected, side by side (see the module docstring for the estimators).
 
     ``attention_overhead``: one attention layer, forward + backward (3 slots per round);
@@ -81,20 +91,24 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
     uses) keeps freed CPU memory in the process for both modes (:mod:`trainguard.train.host_memory`: glibc
     otherwise page-faults every large buffer again each step, a cost that follows the allocation pattern
     rather than the work; process-wide, hence not the library default); ``default`` leaves the allocator
-    alone. The mode in force is reported as ``host_memory``.
+    alone. The mode in force is reported as ``host_memory``. ``device``: ``cpu``, ``cuda`` or ``auto``
+    (reported as ``device``).
     """
     from trainguard.cli.output import TaskBar
 
     if host_memory not in ("retain", "default"):
         raise ConfigError(f"unknown host_memory {host_memory!r} (choose retain or default)")
+    dev = pick_device(device)
     if host_memory == "retain":
         retain_freed_memory()
+    timed = _timer(dev)
     model, run = build(model_name, size=size)
+    model.to(dev)
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(3, min(256, vocab_size(model)), (batch, seq_len), generator=g)
+    x = torch.randint(3, min(256, vocab_size(model)), (batch, seq_len), generator=g).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     att = _attention_module(model, model_name)
-    h = torch.randn(batch, seq_len, _hidden(model, model_name), generator=g, requires_grad=True)
+    h = torch.randn(batch, seq_len, _hidden(model, model_name), generator=g).to(dev).requires_grad_()
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -126,7 +140,7 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
                 cfg = modes[mode]
                 if cfg is not None:
                     protect(model, cfg)
-                per[mode].append(_timed(fn))
+                per[mode].append(timed(fn))
                 if cfg is not None:
                     unprotect(model)
             bar.advance(f"round {r + 1}/{rounds} {what}")
@@ -143,8 +157,8 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
                     acc[mode].append(statistics.median(ts))
                     if mode in pairs:
                         pairs[mode] += [t / p for t, p in zip(ts, per["plain"])]
-        recovery = _recovery(model, step, n_recovery, bar)
-        restore = _restore_cost(model, opt, step, n_restore, bar)
+        recovery = _recovery(model, step, n_recovery, bar, timed)
+        restore = _restore_cost(model, opt, step, n_restore, bar, timed, dev)
     finally:
         bar.stop()
 
@@ -156,7 +170,7 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
     step_diff = max(statistics.median(recovery["faulty"]) - statistics.median(recovery["clean"]), 0.0)
     out: dict[str, Any] = {
         "model": model_name, "size": size, "batch": batch, "seq_len": seq_len, "rounds": rounds, "steps": steps,
-        "threads": torch.get_num_threads(), "host_memory": host_memory_mode(),
+        "device": dev.type, "threads": torch.get_num_threads(), "host_memory": host_memory_mode(),
         "correction_cost_vs_step": correction / t_plain,
         "checkpoint_restore_cost_vs_step": restore / t_plain,
         "recovery_speedup": restore / correction if corr else math.nan,
@@ -180,7 +194,7 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
     return out
 
 
-def _recovery(model, step, n: int, bar: TaskBar) -> dict[str, Any]:
+def _recovery(model, step, n: int, bar: TaskBar, timed: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
     """One NaN per step, cycling over the six forward products of a middle layer; the correction is timed
     directly (``ABFTHandle.correction_seconds``). A fault counts only if it was detected and every flag was
     corrected or recomputed."""
@@ -190,7 +204,7 @@ def _recovery(model, step, n: int, bar: TaskBar) -> dict[str, Any]:
     corrected = 0
     try:
         for i in range(n):
-            clean.append(_timed(step))
+            clean.append(timed(step))
             target = PRODUCTS[i % len(PRODUCTS)]
             state = {"done": False}
 
@@ -202,7 +216,7 @@ def _recovery(model, step, n: int, bar: TaskBar) -> dict[str, Any]:
 
             handle.reset_counters()
             remove = handle.add_fault_hook(hook)
-            faulty.append(_timed(step))
+            faulty.append(timed(step))
             remove()
             tot = handle.total()
             if state["done"] and tot["detected"] and tot["corrected"] + tot["recomputed"] == tot["detected"]:
@@ -214,20 +228,21 @@ def _recovery(model, step, n: int, bar: TaskBar) -> dict[str, Any]:
     return {"clean": clean, "faulty": faulty, "corr": corr, "corrected": corrected}
 
 
-def _restore_cost(model, opt, step, n: int, bar: TaskBar) -> float:
+def _restore_cost(model, opt, step, n: int, bar: TaskBar, timed: Callable[[Callable[[], Any]], float],
+                  device: torch.device) -> float:
     """Median time to reload model + optimizer from a checkpoint on disk and re-run the step."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "ckpt.pt")
         torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
 
         def restore_and_rerun():
-            ck = torch.load(path)
+            ck = torch.load(path, map_location=device)
             model.load_state_dict(ck["model"])
             opt.load_state_dict(ck["optim"])
             step()
 
         times = []
         for i in range(n):
-            times.append(_timed(restore_and_rerun))
+            times.append(timed(restore_and_rerun))
             bar.advance(f"checkpoint restore {i + 1}/{n}")
     return statistics.median(times)

@@ -4,7 +4,8 @@
 Campaign trial: one training step (forward + backward) of the protected model with one fault written
 into one element of one attention product (through ``ABFTHandle.add_fault_hook``, i.e. into the GEMM's
 output before verification, as a hardware fault would be); the logits and every parameter gradient are
-compared with the fault-free step. Classes: ``corrected`` (flagged, corrected, result within
+compared with the fault-free step (on ``device``: CPU, or CUDA when asked for or, with ``auto``, present).
+Classes: ``corrected`` (flagged, corrected, result within
 tolerance of the fault-free step), ``uncorrectable`` (flagged, recomputed), ``silent`` (nothing
 flagged, result off), ``masked`` (nothing flagged, result within tolerance). ``false_positives`` counts
 flags raised in fault-free steps. Relies on torch and transformers (HF models, built from config).
@@ -22,6 +23,7 @@ from trainguard.errors import ConfigError
 from trainguard.faults.bits import FaultModel
 
 MODELS = ("llama-tiny", "gpt2", "bert", "gpt-neo", "roberta")
+DEVICES = ("auto", "cpu", "cuda")
 SITES = ("q", "k", "v", "scores", "context", "output", "any")
 FAULTS = ("inf", "nan", "near-inf", "bitflip")
 
@@ -51,6 +53,15 @@ def build(name: str, size: str = "tiny", seed: int = 0):
     return model, run
 
 
+def pick_device(name: str) -> torch.device:
+    """``auto`` (CUDA when present, else CPU), ``cpu`` or ``cuda``; asking for CUDA without one is an error."""
+    if name not in DEVICES:
+        raise ConfigError(f"unknown device {name!r} (choose from {', '.join(DEVICES)})")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is available (use --device cpu or auto)")
+    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
+
+
 def vocab_size(model) -> int:
     return int(getattr(getattr(model, "config", None), "vocab_size", None) or model.cfg.vocab_size)
 
@@ -64,6 +75,7 @@ class CampaignResult:
     size: str = "tiny"
     batch: int = 0
     seq_len: int = 0
+    device: str = "cpu"
     trials: int = 0
     detected: int = 0
     corrected: int = 0
@@ -82,7 +94,8 @@ class CampaignResult:
 
 def _step(model, run, x, dtype):
     model.zero_grad(set_to_none=True)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else torch.autocast("cpu", enabled=False)
+    dev = x.device.type
+    ctx = torch.autocast(dev, dtype=torch.bfloat16) if dtype == "bf16" else torch.autocast(dev, enabled=False)
     with ctx:
         loss, logits = run(model, x)
     loss.backward()
@@ -101,9 +114,11 @@ def _max_err(a, b) -> float:
 
 def run_campaign(model_name: str = "llama-tiny", fault: str = "nan", site: str = "any", trials: int = 20,
                  seed: int = 0, seq_len: int = 32, batch: int = 2, dtype: str = "fp32", progress: bool = True,
-                 backward: bool = False, size: str = "tiny") -> CampaignResult:
+                 backward: bool = False, size: str = "tiny", device: str = "cpu") -> CampaignResult:
     """``size``: shape of an HF model (``tiny``: 2 layers x 64; ``small`` / ``base``: GPT-2-small /
-    BERT-base shapes); LLaMA models take their shape from their name."""
+    BERT-base shapes); LLaMA models take their shape from their name. ``device``: ``cpu``, ``cuda`` or
+    ``auto`` (:func:`pick_device`); the fault positions come from a CPU generator, so a seed draws the same
+    trials on either device."""
     from trainguard.sdc.abft import PRODUCTS, ABFTConfig, protect
 
     if fault not in FAULTS:
@@ -118,17 +133,20 @@ def run_campaign(model_name: str = "llama-tiny", fault: str = "nan", site: str =
         raise ConfigError(f"unknown size {size!r} (choose from tiny, small, base)")
     if model_name.startswith("llama") and size != "tiny":
         raise ConfigError(f"--size applies to HF models; {model_name} takes its shape from its name")
+    dev = pick_device(device)
     torch.manual_seed(seed)
     model, run = build(model_name, size=size, seed=seed)
+    model.to(dev)
     max_len = getattr(getattr(model, "config", None), "max_position_embeddings", None) or getattr(
         getattr(model, "config", None), "n_positions", None) or model.cfg.max_seq_len
     if seq_len > max_len - 2:
         raise ConfigError(f"--seq-len {seq_len} exceeds what {model_name} supports ({max_len - 2})")
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(3, min(256, vocab_size(model)), (batch, seq_len), generator=g)
+    x = torch.randint(3, min(256, vocab_size(model)), (batch, seq_len), generator=g).to(dev)
     handle = protect(model, ABFTConfig(backward=backward))
     reference = _step(model, run, x, dtype)
-    result = CampaignResult(model_name, fault, site, dtype, size, batch, seq_len, clean_checks=handle.n_layers * len(PRODUCTS))
+    result = CampaignResult(model_name, fault, site, dtype, size, batch, seq_len, dev.type,
+                            clean_checks=handle.n_layers * len(PRODUCTS))
     result.false_positives = handle.total()["detected"]
     ref_scale = max(float(reference[0].abs().max()), 1.0)
     result.tolerance = tol = (1e-4 if dtype == "fp32" else 2e-2) * ref_scale
