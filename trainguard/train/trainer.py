@@ -33,6 +33,7 @@ from trainguard.models import build_model, lm_loss
 from trainguard.train import snapshot as snap_mod
 from trainguard.train.activation_checkpoint import apply_activation_checkpointing
 from trainguard.train.checkpoint import CheckpointManager
+from trainguard.train.device import device_named
 from trainguard.train.host_memory import retain_freed_memory
 from trainguard.train.metrics import MetricsLogger, peak_memory_mb
 from trainguard.train.optim import build_optimizer, build_scheduler, clip_gradients
@@ -105,12 +106,7 @@ def dist_env() -> tuple[int, int, int]:
 
 
 def resolve_device(cfg, local_rank: int = 0) -> torch.device:
-    want = cfg.train.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device is 'cuda' but no CUDA device is available")
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
-    return torch.device("cpu")
+    return device_named(cfg.train.device, local_rank, "train.device")
 
 
 def init_distributed(cfg, device: torch.device) -> tuple[int, int, bool]:

@@ -25,6 +25,7 @@ cache). Anything else raises :class:`trainguard.errors.ShapeError`; nothing is s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -79,12 +80,16 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
     return out
 
 
-def _since(t0: float, t: torch.Tensor) -> float:
-    """Seconds since ``t0`` for slow-path work on ``t``'s device: on CUDA the recomputations it queued are
-    waited for, so that ``correction_seconds`` counts them (the slow path syncs anyway, to locate)."""
-    if t.is_cuda:
-        torch.cuda.synchronize(t.device)
-    return time.perf_counter() - t0
+@contextlib.contextmanager
+def _slow_path(rt, device: torch.device):
+    """Adds the block's wall time (location, correction, recomputation after a flag) to
+    ``rt.correction_seconds``; on CUDA it waits for the recomputations the block queued, so they count
+    (the slow path syncs anyway, to locate)."""
+    t0 = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    rt.correction_seconds += time.perf_counter() - t0
 
 
 def _any(checks) -> torch.Tensor:
@@ -182,9 +187,8 @@ class ProtectedMatmul(torch.autograd.Function):
             if gb.dim() > b.dim():
                 gb = gb.sum(tuple(range(gb.dim() - b.dim())))
         if checks and bool(_any([c for c, _ in checks])):
-            t0 = time.perf_counter()
-            _resolve_parts(rt, layer, checks)
-            rt.correction_seconds += _since(t0, g)
+            with _slow_path(rt, g.device):
+                _resolve_parts(rt, layer, checks)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gbias = g.reshape(-1, g.shape[-1]).sum(0)
         return ga, gb, gbias, None
@@ -394,9 +398,8 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
         changed = set()
         if kv_update is not None and proj_checks:  # the cache must only ever see verified K / V
             if bool(_any([c for c, _ in proj_checks])):
-                t0 = time.perf_counter()
-                changed = _resolve_parts(rt, layer, proj_checks)
-                rt.correction_seconds += _since(t0, x)
+                with _slow_path(rt, x.device):
+                    changed = _resolve_parts(rt, layer, proj_checks)
             proj_checks = []
         qh, kh, vh = heads()
 
@@ -411,17 +414,16 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
         # ---- one host sync for section AS (and X W^V): settle Q, K, V and the scores before the softmax
         first = [c for c, _ in proj_checks] + ([scores_chk] if scores_chk is not None else [])
         if first and bool(_any(first)):
-            t0 = time.perf_counter()  # the slow path (location, correction, recomputation) is timed
-            changed = _resolve_parts(rt, layer, proj_checks)
-            if changed:  # recompute downstream of the corrected Q / K / V (new autograd nodes, no hooks)
-                qh2, kh2, vh = heads()
-                if changed & {"q", "k"}:
-                    qh, kh = qh2, kh2
-                    scores = scores_gemm(qh, kh)
-                    scores_chk = scores_check(qh, kh, scores, None) if due_as else None
-            if scores_chk is not None and bool(scores_chk.any()):
-                rt.record(layer, "scores", cks.resolve(scores_chk, **rt.resolve_kw()))
-            rt.correction_seconds += _since(t0, scores)
+            with _slow_path(rt, x.device):
+                changed = _resolve_parts(rt, layer, proj_checks)
+                if changed:  # recompute downstream of the corrected Q / K / V (new autograd nodes, no hooks)
+                    qh2, kh2, vh = heads()
+                    if changed & {"q", "k"}:
+                        qh, kh = qh2, kh2
+                        scores = scores_gemm(qh, kh)
+                        scores_chk = scores_check(qh, kh, scores, None) if due_as else None
+                if scores_chk is not None and bool(scores_chk.any()):
+                    rt.record(layer, "scores", cks.resolve(scores_chk, **rt.resolve_kw()))
         bias = bias_fn(scores.shape[-2], scores.shape[-1], scores.dtype, scores.device) if bias_fn else None
         if bias_fn is None and mask_fn is not None:
             probs = torch.softmax(mask_fn(scores), dim=-1, dtype=torch.float32)
@@ -460,13 +462,12 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
         out, out_chk = output(ctx, True)
         second = [c for c in (ctx_chk, out_chk) if c is not None]
         if second and bool(_any(second)):
-            t0 = time.perf_counter()
-            if ctx_chk is not None and bool(ctx_chk.any()):
-                rt.record(layer, "context", cks.resolve(ctx_chk, **rt.resolve_kw()))
-                out, out_chk = output(ctx, False)  # from the corrected CL
-            if out_chk is not None and bool(out_chk.any()):
-                rt.record(layer, "output", cks.resolve(out_chk, **rt.resolve_kw()))
-            rt.correction_seconds += _since(t0, out)
+            with _slow_path(rt, x.device):
+                if ctx_chk is not None and bool(ctx_chk.any()):
+                    rt.record(layer, "context", cks.resolve(ctx_chk, **rt.resolve_kw()))
+                    out, out_chk = output(ctx, False)  # from the corrected CL
+                if out_chk is not None and bool(out_chk.any()):
+                    rt.record(layer, "output", cks.resolve(out_chk, **rt.resolve_kw()))
     return out, probs
 
 

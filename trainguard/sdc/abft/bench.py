@@ -30,7 +30,8 @@ import torch
 
 from trainguard.errors import ConfigError
 from trainguard.sdc.abft import PRODUCTS, ABFTConfig, protect, unprotect
-from trainguard.sdc.abft.campaign import build, pick_device, vocab_size
+from trainguard.sdc.abft.campaign import build, vocab_size
+from trainguard.train.device import device_named
 from trainguard.train.host_memory import host_memory_mode, retain_freed_memory
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
 
     if host_memory not in ("retain", "default"):
         raise ConfigError(f"unknown host_memory {host_memory!r} (choose retain or default)")
-    dev = pick_device(device)
+    dev = device_named(device)
     if host_memory == "retain":
         retain_freed_memory()
     timed = _timer(dev)

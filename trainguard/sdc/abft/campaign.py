@@ -21,9 +21,9 @@ import torch
 
 from trainguard.errors import ConfigError
 from trainguard.faults.bits import FaultModel
+from trainguard.train.device import device_named
 
 MODELS = ("llama-tiny", "gpt2", "bert", "gpt-neo", "roberta")
-DEVICES = ("auto", "cpu", "cuda")
 SITES = ("q", "k", "v", "scores", "context", "output", "any")
 FAULTS = ("inf", "nan", "near-inf", "bitflip")
 
@@ -51,15 +51,6 @@ def build(name: str, size: str = "tiny", seed: int = 0):
         return out.loss, out.logits
 
     return model, run
-
-
-def pick_device(name: str) -> torch.device:
-    """``auto`` (CUDA when present, else CPU), ``cpu`` or ``cuda``; asking for CUDA without one is an error."""
-    if name not in DEVICES:
-        raise ConfigError(f"unknown device {name!r} (choose from {', '.join(DEVICES)})")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but no CUDA device is available (use --device cpu or auto)")
-    return torch.device("cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu")
 
 
 def vocab_size(model) -> int:
@@ -117,7 +108,7 @@ def run_campaign(model_name: str = "llama-tiny", fault: str = "nan", site: str =
                  backward: bool = False, size: str = "tiny", device: str = "cpu") -> CampaignResult:
     """``size``: shape of an HF model (``tiny``: 2 layers x 64; ``small`` / ``base``: GPT-2-small /
     BERT-base shapes); LLaMA models take their shape from their name. ``device``: ``cpu``, ``cuda`` or
-    ``auto`` (:func:`pick_device`); the fault positions come from a CPU generator, so a seed draws the same
+    ``auto`` (:func:`trainguard.train.device.device_named`); the fault positions come from a CPU generator, so a seed draws the same
     trials on either device."""
     from trainguard.sdc.abft import PRODUCTS, ABFTConfig, protect
 
@@ -133,7 +124,7 @@ def run_campaign(model_name: str = "llama-tiny", fault: str = "nan", site: str =
         raise ConfigError(f"unknown size {size!r} (choose from tiny, small, base)")
     if model_name.startswith("llama") and size != "tiny":
         raise ConfigError(f"--size applies to HF models; {model_name} takes its shape from its name")
-    dev = pick_device(device)
+    dev = device_named(device)
     torch.manual_seed(seed)
     model, run = build(model_name, size=size, seed=seed)
     model.to(dev)
