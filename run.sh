@@ -12,7 +12,7 @@ TORCH_VERSION=2.13.0
 
 setup() {
     local stamp="$VENV/.trainguard-ready"
-    if [[ -f "$stamp" && "$stamp" -nt pyproject.toml && "$stamp" -nt run.sh ]]; then return 0; fi
+    if [[ -f "$stamp" && "$stamp" -nt pyproject.toml && "$stamp" -nt run.sh && "$stamp" -nt constraints.txt ]]; then return 0; fi
     echo "[run.sh] setting up $VENV (first run only)..." >&2
     [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
     local pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
@@ -25,7 +25,8 @@ setup() {
                 || "${pip[@]}" "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
         fi
     fi
-    "${pip[@]}" -e ".[dev]"
+    # every dependency at the version the suite passed with (constraints.txt); torch is already in place
+    "${pip[@]}" -c constraints.txt -e ".[dev]"
     setup_simgrid || echo "[run.sh] SimGrid not available: the time-to-train simulation uses its built-in event loop" >&2
     touch "$stamp"
 }

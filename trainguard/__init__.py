@@ -7,4 +7,4 @@ Layers (dependencies point down only; see docs/architecture.md):
 
 __version__ = "0.1.0"
 
-from trainguard.errors import ConfigError, TrainguardError  # noqa: E402,F401
+from trainguard.errors import ConfigError, TrainguardError  # noqa: F401

@@ -96,7 +96,7 @@ class RunConfig:
     def model_config(self) -> ModelConfig:
         return self.model.build_config()
 
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
         mc = self.model_config()  # validates preset and model fields
         t, d, dist = self.train, self.data, self.distributed
         _positive("train.steps", t.steps)

@@ -21,3 +21,16 @@ class DataError(TrainguardError):
 
 class ShapeError(TrainguardError):
     """A tensor shape that a protected kernel cannot handle (refused, never silently skipped)."""
+
+
+class StepAborted(TrainguardError):
+    """A step guard asked to abort the run (or retries of one step were exhausted)."""
+
+    exit_code = 4
+
+
+class SuspectedHardwareFault(TrainguardError):
+    """The same guard site failed on consecutive re-executions of one step: likely a persistent fault of that
+    device, which re-executing on it will not cure. The message names rank and site."""
+
+    exit_code = 3

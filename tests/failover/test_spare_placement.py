@@ -5,7 +5,12 @@ import pytest
 
 from trainguard.errors import TrainguardError
 from trainguard.failover.spare.placement import (
-    GOLOMB_RULERS, check_supported, golomb_ruler, is_modular_golomb, make_placement, max_supported_redundancy,
+    GOLOMB_RULERS,
+    check_supported,
+    golomb_ruler,
+    is_modular_golomb,
+    make_placement,
+    max_supported_redundancy,
     min_groups_sufficient,
 )
 

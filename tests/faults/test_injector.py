@@ -123,3 +123,32 @@ def test_unknown_module_or_missing_optimizer_is_refused(batches):
         Injector(Fault(TensorSite("grad", "*"))).attach_model(t.model)
     with pytest.raises(TrainguardError):
         OpSite("aten.mm*", "sideways")
+
+
+def test_product_site_reaches_attention_products_with_and_without_abft(batches):
+    from trainguard.faults import ProductSite
+    from trainguard.sdc.abft import protect
+
+    # element (row 1, column 1) of the first head's scores: the causal mask keeps it (seq_len 16)
+    fault = Fault(ProductSite("scores", layer=0, occurrence=0), FaultModel("nan"), index=17)
+    t, inj, (r,) = run(batches, fault)
+    (rec,) = inj.records
+    assert rec.site == "product" and rec.target == "layers.0.scores" and rec.phase == "forward"
+    assert math.isnan(r.loss)  # unprotected: the NaN reaches the loss
+
+    t = trainer(batches)
+    handle = protect(t.model)
+    inj = Injector(fault, seed=3).attach(t)
+    r = t.train_step()
+    (rec,) = inj.records
+    assert rec.site == "product" and rec.target == "layers.0.scores"
+    assert handle.total()["corrected"] >= 1 and math.isfinite(r.loss)  # the protected kernel saw the same fault
+
+
+def test_product_site_occurrence_and_layer_filter(batches):
+    from trainguard.faults import ProductSite
+
+    _, inj, _ = run(batches, Fault(ProductSite("q", layer=5), FaultModel("nan")))
+    assert inj.records == [] and len(inj.unfired()) == 1  # no layer 5 in a 1-layer model
+    _, inj, _ = run(batches, Fault(ProductSite("*", occurrence=4), FaultModel("value", value=7.0), index=0))
+    assert inj.records[0].target == "layers.0.context"  # q k v scores context: the fifth product

@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import tiny_cfg
+
 from trainguard.errors import CheckpointError
 from trainguard.train import Trainer
 from trainguard.train import checkpoint as ckpt_mod

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import BASE, tiny_cfg
+
 from trainguard.train import Trainer
 from trainguard.train.checkpoint import CheckpointManager, load_checkpoint
 

@@ -1,5 +1,6 @@
 """AdamW groups, warmup + cosine schedule, gradient clipping."""
 
+import itertools
 import math
 
 import torch
@@ -27,7 +28,7 @@ def test_warmup_then_cosine_to_min():
     assert abs(f(55) - (0.1 + 0.9 * 0.5)) < 1e-12  # half way through the cosine
     assert abs(f(100) - 0.1) < 1e-12 and abs(f(500) - 0.1) < 1e-12
     vals = [f(s) for s in range(10, 101)]
-    assert all(a >= b for a, b in zip(vals, vals[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(vals))
 
 
 def test_scheduler_drives_optimizer_lr():

@@ -11,9 +11,9 @@ import torch
 
 from trainguard.config import load_config
 from trainguard.errors import ConfigError
+from trainguard.models import build_model
 from trainguard.train import Trainer
 from trainguard.train.pipeline import split_model, stage_layers
-from trainguard.models import build_model
 
 OVERRIDES = ["--model.dim", "32", "--model.n_layers", "3", "--model.n_heads", "2", "--model.ffn_hidden", "64",
              "--data.seq_len", "16", "--data.batch_size", "8", "--data.max_bytes", "300000",
@@ -23,7 +23,7 @@ OVERRIDES = ["--model.dim", "32", "--model.n_layers", "3", "--model.n_heads", "2
 
 def test_stage_split_is_balanced_and_complete():
     assert [stage_layers(5, 2, i) for i in range(2)] == [[0, 1, 2], [3, 4]]
-    assert sum((stage_layers(7, 3, i) for i in range(3)), []) == list(range(7))
+    assert [i for s in range(3) for i in stage_layers(7, 3, s)] == list(range(7))
     with pytest.raises(ConfigError):
         stage_layers(2, 3, 0)
     m = split_model(build_model("llama-tiny"), 2, 1)

@@ -4,8 +4,8 @@ import contextlib
 import random
 
 import torch
-
 from conftest import tiny_cfg
+
 from trainguard.train import Trainer
 
 

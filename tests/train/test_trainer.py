@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_cfg
+
 from trainguard.train import Trainer, apply_activation_checkpointing
 from trainguard.train.activation_checkpoint import is_wrapped
 

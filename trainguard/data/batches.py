@@ -41,7 +41,7 @@ class PackedBatches:
                 )
 
     @classmethod
-    def from_config(cls, cfg: DataConfig) -> "PackedBatches":
+    def from_config(cls, cfg: DataConfig) -> PackedBatches:
         if cfg.seq_len <= 0 or cfg.batch_size <= 0:
             raise DataError(f"data.seq_len and data.batch_size must be > 0, got {cfg.seq_len}, {cfg.batch_size}")
         streams = load_corpus(cfg.source, cfg.val_fraction, cfg.max_bytes or None)

@@ -8,11 +8,26 @@
 
 from trainguard.faults.bits import FaultModel, flip_bit, layout
 from trainguard.faults.campaign import CampaignSummary, TrainingTrial, TrialOutcome, classify, run_campaign
-from trainguard.faults.injector import Fault, InjectionRecord, Injector, ModuleSite, OpSite, TensorSite
+from trainguard.faults.injector import Fault, InjectionRecord, Injector, ModuleSite, OpSite, ProductSite, TensorSite
 from trainguard.faults.schedules import PRESETS_MTBF_HOURS, FailureSchedule, kill_due
 
 __all__ = [
-    "CampaignSummary", "FailureSchedule", "Fault", "FaultModel", "InjectionRecord", "Injector", "ModuleSite",
-    "OpSite", "PRESETS_MTBF_HOURS", "TensorSite", "TrainingTrial", "TrialOutcome", "classify", "flip_bit",
-    "kill_due", "layout", "run_campaign",
+    "PRESETS_MTBF_HOURS",
+    "CampaignSummary",
+    "FailureSchedule",
+    "Fault",
+    "FaultModel",
+    "InjectionRecord",
+    "Injector",
+    "ModuleSite",
+    "OpSite",
+    "ProductSite",
+    "TensorSite",
+    "TrainingTrial",
+    "TrialOutcome",
+    "classify",
+    "flip_bit",
+    "kill_due",
+    "layout",
+    "run_campaign",
 ]

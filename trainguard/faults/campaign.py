@@ -90,7 +90,7 @@ def classify(outcome: TrialOutcome, reference: dict[str, torch.Tensor]) -> tuple
 def run_campaign(trial_fn: Callable[[Fault, int], TrialOutcome], faults: list[Fault], reference: dict[str, torch.Tensor],
                  progress: bool = True, description: str = "campaign") -> CampaignSummary:
     summary = CampaignSummary()
-    from trainguard.cli.output import TaskBar
+    from trainguard.utils import TaskBar
 
     bar = TaskBar(progress, description, len(faults))
     try:

@@ -8,6 +8,9 @@ Sites:
   One ``TorchDispatchMode`` active for the whole step sees every op, including those autograd runs in
   ``loss.backward()`` and those inside ``optimizer.step()`` (DESIGN.md, checked on torch 2.13 CPU).
 * ``ModuleSite``: a module's output (forward hook), by module-name pattern and occurrence.
+* ``ProductSite``: a named attention product (``q k v scores context output``, or a backward product of a
+  protected kernel) of one layer or any, by occurrence; reached through the model's product hooks
+  (:mod:`trainguard.models.products`), so it is the same site with or without ABFT installed.
 * ``TensorSite``: a parameter (before the forward), a gradient or an optimizer-state tensor (after
   backward, before the optimizer step), by name pattern.
 
@@ -27,13 +30,14 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainguard.errors import TrainguardError
 from trainguard.faults.bits import FaultModel, random_index
+from trainguard.models.products import product_hooks
 
 PHASES = ("forward", "recompute", "backward", "optimizer", "any")
 
@@ -58,6 +62,17 @@ class ModuleSite:
 
 
 @dataclass
+class ProductSite:
+    product: str = "scores"  # product name, fnmatch (q k v scores context output, or backward names)
+    layer: int | None = None  # None: any layer
+    occurrence: int = 0  # among the matching products of the step
+
+    def __post_init__(self) -> None:
+        if self.occurrence < 0:
+            raise TrainguardError(f"occurrence must be >= 0, got {self.occurrence}")
+
+
+@dataclass
 class TensorSite:
     target: str = "param"  # param | grad | optimizer-state
     pattern: str = "*"  # parameter name, fnmatch
@@ -68,7 +83,7 @@ class TensorSite:
             raise TrainguardError(f"unknown tensor site {self.target!r} (param, grad or optimizer-state)")
 
 
-Site = OpSite | ModuleSite | TensorSite
+Site = OpSite | ModuleSite | ProductSite | TensorSite
 
 
 @dataclass
@@ -82,7 +97,7 @@ class Fault:
 @dataclass
 class InjectionRecord:
     step: int
-    site: str  # op | module | param | grad | optimizer-state
+    site: str  # op | module | product | param | grad | optimizer-state
     target: str  # op name, module name or tensor name
     phase: str
     occurrence: int
@@ -101,7 +116,7 @@ class InjectionRecord:
 
 
 class _OpMode(TorchDispatchMode):
-    def __init__(self, injector: "Injector"):
+    def __init__(self, injector: Injector):
         super().__init__()
         self.injector = injector
 
@@ -125,15 +140,16 @@ class Injector:
         self._counts: dict[tuple[int, str], int] = {}
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._handles: list[Any] = []
+        self._handles: list[Callable[[], Any]] = []  # removers
+        self._injecting = False  # our own writes are not ops of the step
 
     # ---- wiring -------------------------------------------------------------------------------------
-    def attach(self, trainer) -> "Injector":
+    def attach(self, trainer) -> Injector:
         self.attach_model(trainer.model, trainer.optimizer)
         trainer.step_contexts.append(self.step_context)
         return self
 
-    def attach_model(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> "Injector":
+    def attach_model(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Injector:
         self._model, self._optimizer = model, optimizer
         names = dict(model.named_modules())
         # Blocks wrapped by trainguard.train.activation_checkpoint: label their recompute's ops.
@@ -146,17 +162,19 @@ class Injector:
                 if not matched:
                     raise TrainguardError(f"no module matches {f.site.pattern!r}")
                 for n in matched:
-                    self._handles.append(names[n].register_forward_hook(self._module_hook(i, n)))
+                    self._handles.append(names[n].register_forward_hook(self._module_hook(i, n)).remove)
             if isinstance(f.site, TensorSite) and f.site.target != "param" and optimizer is None:
                 raise TrainguardError(f"a {f.site.target} site needs the optimizer (attach_model(model, optimizer))")
+        if any(isinstance(f.site, ProductSite) for f in self.faults):
+            self._handles.append(product_hooks(model).add(self._on_product))
         if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
-            self._handles.append(optimizer.register_step_post_hook(self._post_step))
+            self._handles.append(optimizer.register_step_pre_hook(self._pre_step).remove)
+            self._handles.append(optimizer.register_step_post_hook(self._post_step).remove)
         return self
 
     def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
+        for remove in self._handles:
+            remove()
         self._handles.clear()
 
     @contextlib.contextmanager
@@ -216,13 +234,17 @@ class Injector:
 
     def _corrupt(self, i: int, f: Fault, tensor: torch.Tensor, site: str, target: str, phase: str, occ: int) -> None:
         index = f.index if f.index is not None else random_index(tensor, self.generator)
-        old, new, bit = f.model.apply(tensor, index, self.generator)
+        self._injecting = True
+        try:
+            old, new, bit = f.model.apply(tensor, index, self.generator)
+        finally:
+            self._injecting = False
         self.fired.add(i)
         self.records.append(InjectionRecord(self.step, site, target, phase, occ, index, str(tensor.dtype).replace("torch.", ""),
                                             old, new, bit, f.model.kind))
 
     def _on_op(self, func, out) -> None:
-        if self.step is None or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        if self.step is None or self._injecting or not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return
         name = str(func)  # e.g. "aten.mm.default"
         phase = None
@@ -239,6 +261,21 @@ class Injector:
             self._counts[key] = occ + 1
             if occ == f.site.occurrence and out.numel():
                 self._corrupt(i, f, out, "op", name, phase, occ)
+
+    def _on_product(self, layer: int, name: str, tensor: torch.Tensor) -> None:
+        if self.step is None or not tensor.is_floating_point() or not tensor.numel():
+            return
+        for i, f in enumerate(self.faults):
+            site = f.site
+            if not isinstance(site, ProductSite) or not self._due(i, f) or not fnmatch.fnmatchcase(name, site.product):
+                continue
+            if site.layer is not None and site.layer != layer:
+                continue
+            key = (i, "product")
+            occ = self._counts.get(key, 0)
+            self._counts[key] = occ + 1
+            if occ == site.occurrence:
+                self._corrupt(i, f, tensor, "product", f"layers.{layer}.{name}", self.current_phase(), occ)
 
     def _module_hook(self, i: int, name: str):
         def hook(module, inputs, output):

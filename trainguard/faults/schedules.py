@@ -37,7 +37,7 @@ class FailureSchedule:
             raise TrainguardError(f"Weibull shape must be > 0, got {self.shape}")
 
     @classmethod
-    def preset(cls, name: str, kind: str = "exponential", seed: int = 0, shape: float = 0.7) -> "FailureSchedule":
+    def preset(cls, name: str, kind: str = "exponential", seed: int = 0, shape: float = 0.7) -> FailureSchedule:
         if name not in PRESETS_MTBF_HOURS:
             raise TrainguardError(f"unknown failure preset {name!r} (choose from {', '.join(PRESETS_MTBF_HOURS)})")
         return cls(kind, PRESETS_MTBF_HOURS[name], shape, seed)

@@ -32,7 +32,7 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         positive = ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden", "max_seq_len")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -49,7 +49,7 @@ class ModelConfig:
             raise ConfigError(f"model.top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
         return self
 
-    def replace(self, **overrides) -> "ModelConfig":
+    def replace(self, **overrides) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - known)
         if unknown:

@@ -25,6 +25,7 @@ from torch import nn
 
 from trainguard.models.config import ModelConfig
 from trainguard.models.moe import MoEFeedForward
+from trainguard.models.products import ProductHooks, product_hooks
 
 ProductHook = Callable[["Attention", str, torch.Tensor], "torch.Tensor | None"]
 
@@ -68,6 +69,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.kernel: Callable | None = None  # replaces the explicit path when set (ABFT)
         self.product_hooks: dict[int, ProductHook] = {}
+        self.layer_id = 0  # set by LlamaModel: the block index products are reported under
+        self.products = ProductHooks()  # replaced by the model's shared registry (models/products.py)
 
     def add_product_hook(self, hook: ProductHook) -> Callable[[], None]:
         """Call ``hook(module, name, tensor)`` on every attention product; a returned tensor replaces it."""
@@ -76,6 +79,7 @@ class Attention(nn.Module):
         return lambda: self.product_hooks.pop(key, None)
 
     def _product(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        self.products.fire(self.layer_id, name, t)  # model-level hooks (fault injection): in place
         for hook in list(self.product_hooks.values()):
             out = hook(self, name, t)
             if out is not None:
@@ -90,7 +94,7 @@ class Attention(nn.Module):
         if self.kernel is not None:
             return self.kernel(self, x, cos, sin)
         b, s, d = x.shape
-        explicit = self.impl == "explicit" or bool(self.product_hooks)
+        explicit = self.impl == "explicit" or bool(self.product_hooks) or bool(self.products)
         q = self.wq(x)
         k = self.wk(x)
         v = self.wv(x)
@@ -156,6 +160,9 @@ class LlamaModel(nn.Module):
         self.cfg = cfg.validate()
         self.tok_embeddings: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        hooks = product_hooks(self)
+        for i, block in self.layers.items():
+            block.attention.layer_id, block.attention.products = int(i), hooks
         self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -12,7 +12,7 @@ from typing import Sequence
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def line_plot(path: str | Path, x: Sequence[float], series: dict[str, Sequence[float]], *, xlabel: str,

@@ -107,7 +107,7 @@ def run_montecarlo(n: int, r: int, trials: int = 200, seed: int = 0, workers: in
         with ProcessPoolExecutor(max_workers=workers) as ex:
             futs = [ex.submit(_trials, n, r, c) for c in chunks]
             if show:
-                from trainguard.cli.output import progress
+                from trainguard.utils import progress
 
                 with progress(transient=True) as bar:
                     task = bar.add_task(f"N={n} r={r}", total=len(futs), info="")

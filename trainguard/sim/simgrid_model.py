@@ -39,7 +39,7 @@ BW = 1e9           # link bandwidth (bytes/s)
 
 def simgrid_available() -> tuple[bool, str]:
     try:
-        import simgrid  # noqa: F401
+        import simgrid
     except Exception as err:  # pragma: no cover - depends on the machine
         return False, f"cannot import simgrid ({err}); install Debian python3-simgrid 3.32"
     return True, getattr(simgrid, "simgrid_version", "?")
@@ -144,6 +144,6 @@ if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     res = simulate_simgrid(spec["scheme"], spec["n"], spec["r"], spec["seed"], ClusterParams(**spec["params"]),
                            spec.get("max_steps"))
-    from trainguard.cli.output import emit_json
+    from trainguard.utils import emit_json
 
     emit_json(res)

@@ -237,7 +237,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None) -> 
     manifest = verify(path)
     try:
         extra = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
-    except Exception as err:  # noqa: BLE001 - any unpickling problem is a bad checkpoint
+    except Exception as err:
         raise CheckpointError(f"checkpoint {path}: cannot read {TRAINER_STATE}: {err}") from None
     has_optim = bool(extra.get("has_optimizer")) and optimizer is not None
     ctx = _quiet()
@@ -249,7 +249,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None) -> 
             state = {"model": model.state_dict()}
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as err:  # noqa: BLE001 - shape / key mismatch with the model
+        except Exception as err:
             msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: {msg}") from None
         if has_optim:

@@ -3,7 +3,7 @@
 Losses and gradient norms stay on the device until a flush (every ``log_every`` steps), where they are
 read back with one ``tolist()``: no host sync per step. Peak memory is
 ``torch.cuda.max_memory_allocated`` on CUDA and the process's peak RSS (``resource``) on CPU. Relies on
-the standard library, torch and rich (through ``trainguard.cli.output.progress``).
+the standard library, torch and rich (through ``trainguard.utils.progress``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class MetricsLogger:
         self._progress = None
         self._task = None
         if progress:
-            from trainguard.cli.output import progress as make_progress
+            from trainguard.utils import progress as make_progress
 
             self._progress = make_progress()
             self._task = self._progress.add_task(description, total=total_steps, completed=start_step, info="")

@@ -4,13 +4,12 @@ import zlib
 
 import pytest
 import torch
+from _hooks import OneShot
 
 from trainguard.errors import ShapeError, TrainguardError
 from trainguard.models import build_model, lm_loss
-from trainguard.sdc.abft import (BACKWARD_PRODUCTS, PRODUCTS, SECTIONS, ABFTConfig, protect, section_due,
-                                 unprotect)
+from trainguard.sdc.abft import BACKWARD_PRODUCTS, PRODUCTS, SECTIONS, ABFTConfig, protect, section_due, unprotect
 from trainguard.sdc.abft.attention import linear_proj, protected_attention
-from _hooks import OneShot
 
 VALUES = {"inf": float("inf"), "nan": float("nan"), "ninf": 1e20}
 

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from trainguard.errors import ConfigError
-from trainguard.sdc.abft.frequency import (AttentionShape, coverage, optimize_frequencies, section_terms, PHI_TABLE)
+from trainguard.sdc.abft.frequency import PHI_TABLE, AttentionShape, coverage, optimize_frequencies, section_terms
 
 TARGET = 1 - 1e-11
 

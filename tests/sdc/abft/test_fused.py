@@ -5,12 +5,12 @@ import warnings
 
 import pytest
 import torch
+from _hooks import OneShot
 
 from trainguard.sdc.abft import SECTIONS, ABFTConfig, protect, unprotect
 from trainguard.sdc.abft import checksums as cks
 from trainguard.sdc.abft.attention import _HeadsQKV, _ScaledSoftmax, causal_bias
 from trainguard.sdc.abft.hf import build_hf_model
-from _hooks import OneShot
 
 warnings.filterwarnings("ignore")
 

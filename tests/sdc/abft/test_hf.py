@@ -4,11 +4,11 @@ import warnings
 
 import pytest
 import torch
+from _hooks import OneShot
 
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.abft import PRODUCTS, ABFTConfig, protect, unprotect
 from trainguard.sdc.abft.hf import build_hf_model
-from _hooks import OneShot
 
 warnings.filterwarnings("ignore")
 MODELS = ("gpt2", "bert", "gpt-neo", "roberta")

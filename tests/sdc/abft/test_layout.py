@@ -5,12 +5,12 @@ import warnings
 
 import pytest
 import torch
+from _hooks import OneShot
 
 from trainguard.sdc.abft import ABFTConfig, protect, unprotect
 from trainguard.sdc.abft import checksums as cks
 from trainguard.sdc.abft.hf import build_hf_model
 from trainguard.sdc.abft.layout import share_storage, stacked_rows
-from _hooks import OneShot
 
 warnings.filterwarnings("ignore")
 

@@ -1,8 +1,8 @@
 """Propagation study: the deterministic patterns the ATTNChecker paper reports (Table 2) appear."""
 
-from trainguard.sdc.abft.study import pattern, run_study
-
 import torch
+
+from trainguard.sdc.abft.study import pattern, run_study
 
 
 def test_pattern_classifier():

@@ -94,4 +94,4 @@ def add_run_parser(sub) -> None:
     ru.set_defaults(handler=cmd_run)
 
 
-__all__ = ["add_run_parser", "cmd_run", "TrainguardError"]
+__all__ = ["TrainguardError", "add_run_parser", "cmd_run"]

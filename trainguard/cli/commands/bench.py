@@ -14,7 +14,6 @@ import statistics
 import tempfile
 import time
 
-
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, pick_threads, table
 
 
@@ -108,7 +107,7 @@ def bench_train(model: str = "llama-tiny", steps: int = 40, rounds: int = 5, war
         sync()
         return time.perf_counter() - t0
 
-    trainer_run = lambda n: trainer.run(n)  # noqa: E731 - the full loop: metrics.jsonl, callbacks, contexts
+    trainer_run = lambda n: trainer.run(n)
     if warmup:
         timed(trainer_run, warmup)
         timed(plain_run, warmup)

@@ -140,7 +140,7 @@ def run_demo(steps: int = 200, protect: Callable[[Any], object] | None = None, *
 
 def _abft_protect() -> Callable | None:
     try:
-        from trainguard.sdc import abft  # noqa: F401
+        from trainguard.sdc import abft
     except ImportError:
         return None
     return getattr(abft, "protect", None)

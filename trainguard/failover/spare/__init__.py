@@ -21,7 +21,17 @@ from trainguard.failover.spare.placement import (
 )
 
 __all__ = [
-    "ControllerResult", "ReCtlr", "reorder", "validate_state", "GOLOMB_RULERS", "MAX_REDUNDANCY", "Placement",
-    "check_supported", "golomb_ruler", "is_modular_golomb", "make_placement", "max_supported_redundancy",
+    "GOLOMB_RULERS",
+    "MAX_REDUNDANCY",
+    "ControllerResult",
+    "Placement",
+    "ReCtlr",
+    "check_supported",
+    "golomb_ruler",
+    "is_modular_golomb",
+    "make_placement",
+    "max_supported_redundancy",
     "min_groups_sufficient",
+    "reorder",
+    "validate_state",
 ]

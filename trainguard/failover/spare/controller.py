@@ -120,7 +120,7 @@ class ReCtlr:
         return (np.arange(self.n)[:, None] - self._marks[self._ord]) % self.n
 
     @classmethod
-    def from_state(cls, placement: Placement, orders: np.ndarray, stack: int, alive: np.ndarray) -> "ReCtlr":
+    def from_state(cls, placement: Placement, orders: np.ndarray, stack: int, alive: np.ndarray) -> ReCtlr:
         """Controller for a given state (orders must be permutations of each group's types)."""
         c = cls(placement)
         n, r = c.n, c.r

@@ -61,7 +61,7 @@ class Kill:
     when: str = "compute"
 
     @classmethod
-    def parse(cls, text: str) -> "Kill":
+    def parse(cls, text: str) -> Kill:
         """``G@STEP`` or ``G@STEP:start|compute``."""
         try:
             head, _, when = text.partition(":")
@@ -94,7 +94,7 @@ class SpareRunConfig:
     timeout_s: float = 20.0
     threads_per_group: int = 1
 
-    def validate(self) -> "SpareRunConfig":
+    def validate(self) -> SpareRunConfig:
         check_supported(self.groups, self.redundancy)
         for name in ("steps", "seq_len", "shard_batch", "checkpoint_every", "threads_per_group"):
             if getattr(self, name) < 1:
@@ -412,7 +412,7 @@ def run_spare(cfg: SpareRunConfig, progress=None) -> SpareRunResult:
                     except queue_mod.Empty:
                         if time.monotonic() - last_news > patience:
                             raise TrainguardError(f"spare run: no group reported for {patience:.0f} s "
-                                                  f"(groups still running: {sorted(set(range(cfg.groups)) - reported)})")
+                                                  f"(groups still running: {sorted(set(range(cfg.groups)) - reported)})") from None
                         for gi, p in enumerate(procs):  # a group that died without a word is a failure too
                             if gi not in reported and not p.is_alive():
                                 reported.add(gi)

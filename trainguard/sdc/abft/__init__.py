@@ -9,5 +9,15 @@ Relies on ``torch`` (and ``transformers`` for the HF adapters, imported lazily).
 from trainguard.sdc.abft.attention import BACKWARD_PRODUCTS, PRODUCTS, SECTION_OF, SECTIONS
 from trainguard.sdc.abft.protect import ABFTConfig, ABFTHandle, handle_of, protect, section_due, unprotect
 
-__all__ = ["protect", "unprotect", "ABFTConfig", "ABFTHandle", "SECTIONS", "PRODUCTS", "BACKWARD_PRODUCTS",
-           "SECTION_OF", "handle_of", "section_due"]
+__all__ = [
+           "BACKWARD_PRODUCTS",
+           "PRODUCTS",
+           "SECTIONS",
+           "SECTION_OF",
+           "ABFTConfig",
+           "ABFTHandle",
+           "handle_of",
+           "protect",
+           "section_due",
+           "unprotect",
+]

@@ -7,7 +7,8 @@ Sections (ATTNChecker Section 4.4): ``AS = {X W^Q, X W^K, Q K^T}``, ``CL = {X W^
 each product's verified recomputed column checksum (and magnitude bound) is the input checksum of the
 next GEMM in the section (K's feeds the row check of ``Q K^T``, which is the column check of
 ``K Q^T``), so no GEMM input is summed twice. Scores and context are checked along their rows (the
-contiguous direction); CL's column checksum for ``CL W^O`` is encoded from the verified CL. Unlike the paper, Q, K and V are verified (and corrected) themselves rather than only through the
+contiguous direction); CL's column checksum for ``CL W^O`` is encoded from the verified CL. Unlike the
+paper, Q, K and V are verified (and corrected) themselves rather than only through the
 propagated 1R/1C pattern they leave in ``AS`` / ``CL``: in training Q, K and V are saved for the backward
 pass, and a corrected ``AS`` with a corrupted ``Q`` would still poison the gradients. Detection of a whole
 section costs one host sync (``any()`` over the section's flags); location/correction runs only after a
@@ -60,7 +61,7 @@ class _Spec:
     projection has three parts. ``alpha`` scales the product (batched GEMMs only: the attention scale of
     ``Q K^T``, applied by the GEMM rather than by a pass over its output)."""
 
-    __slots__ = ("rt", "layer", "parts", "bt", "alpha")
+    __slots__ = ("alpha", "bt", "layer", "parts", "rt")
 
     def __init__(self, rt, layer: int, parts: tuple, bt: bool = False, alpha: float = 1.0):
         self.rt, self.layer, self.parts, self.bt, self.alpha = rt, layer, parts, bt, alpha

@@ -35,7 +35,7 @@ from trainguard.train.device import device_named
 from trainguard.train.host_memory import host_memory_mode, retain_freed_memory
 
 if TYPE_CHECKING:
-    from trainguard.cli.output import TaskBar
+    from trainguard.utils import TaskBar
 
 
 def _attention_module(model, name: str):
@@ -95,7 +95,7 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
     alone. The mode in force is reported as ``host_memory``. ``device``: ``cpu``, ``cuda`` or ``auto``
     (reported as ``device``).
     """
-    from trainguard.cli.output import TaskBar
+    from trainguard.utils import TaskBar
 
     if host_memory not in ("retain", "default"):
         raise ConfigError(f"unknown host_memory {host_memory!r} (choose retain or default)")

@@ -143,11 +143,11 @@ def run_campaign(model_name: str = "llama-tiny", fault: str = "nan", site: str =
     result.tolerance = tol = (1e-4 if dtype == "fp32" else 2e-2) * ref_scale
     products = PRODUCTS if site == "any" else (site,)
     model_fault = FaultModel("bitflip" if fault == "bitflip" else fault)
-    from trainguard.cli.output import TaskBar
+    from trainguard.utils import TaskBar
 
     bar = TaskBar(progress, f"abft {model_name} {fault}@{site}", trials)
     try:
-        for trial in range(trials):
+        for _ in range(trials):
             layer = int(torch.randint(handle.n_layers, (1,), generator=g))
             product = products[int(torch.randint(len(products), (1,), generator=g))]
             state = {"done": False}

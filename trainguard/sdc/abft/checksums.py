@@ -148,7 +148,7 @@ class GemmCheck:
     def any(self) -> torch.Tensor:
         return self.flag.any()
 
-    def columns(self, lo: int, hi: int) -> "GemmCheck":
+    def columns(self, lo: int, hi: int) -> GemmCheck:
         """The check of the column block ``C[..., lo:hi] = A B[..., lo:hi] (+ bias[lo:hi])`` (views: resolving
         it corrects ``C`` in place). The checksum of a concatenated product is the concatenation of the
         checksums, so one fused check splits exactly into per-product checks."""
@@ -314,7 +314,7 @@ def resolve(chk: GemmCheck, *, correct: bool = True, recompute: bool = True,
                           for i, r, j, o, nv in zip(ri[rok].tolist(), rr[rok].tolist(), rres.index[rok].tolist(),
                                                     rres.old[rok].tolist(), rres.new[rok].tolist())]
             # verify the unsettled columns again
-            recheck = ~(((cb.sum(1) - s1).abs() <= tol1))
+            recheck = ~((cb.sum(1) - s1).abs() <= tol1)
             settled = settled | ~recheck
         if bool(settled.all()):
             _write_back(c, batch_shape, fixes)

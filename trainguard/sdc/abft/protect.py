@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from trainguard.errors import ConfigError, TrainguardError
+from trainguard.models.products import ProductHooks, product_hooks
 from trainguard.sdc.abft import eec
-from trainguard.sdc.abft.attention import (PRODUCTS, SECTION_OF, SECTIONS, causal_bias, linear_proj,
-                                          protected_attention)
+from trainguard.sdc.abft.attention import PRODUCTS, SECTION_OF, SECTIONS, causal_bias, linear_proj, protected_attention
 from trainguard.sdc.abft.checksums import Outcome
 from trainguard.sdc.abft.layout import share_storage
 
@@ -57,7 +57,7 @@ class ABFTConfig:
     correct_threshold: float = eec.T_CORRECT
     max_events: int = 10_000
 
-    def validate(self) -> "ABFTConfig":
+    def validate(self) -> ABFTConfig:
         fr = tuple(float(f) for f in self.frequencies)
         if len(fr) != 3 or any(not (0.0 <= f <= 1.0) or math.isnan(f) for f in fr):
             raise ConfigError(f"abft frequencies must be three numbers in [0, 1] (AS, CL, O), got {self.frequencies!r}")
@@ -87,7 +87,7 @@ class ABFTHandle:
     counters: dict = field(default_factory=lambda: {s: _zero() for s in SECTIONS})
     events: list = field(default_factory=list)
     step: int = 0
-    _hooks: dict = field(default_factory=dict)
+    _products: ProductHooks = field(default_factory=ProductHooks)
     _restore: list = field(default_factory=list)
     _shared: list = field(default_factory=list)   # [q, k, v] Linears whose weights share one storage
     kind: str = ""
@@ -115,9 +115,8 @@ class ABFTHandle:
         self.set_step(step)
 
     def add_fault_hook(self, fn: FaultHook) -> Callable[[], None]:
-        key = object()
-        self._hooks[key] = fn
-        return lambda: self._hooks.pop(key, None)
+        """Same as ``trainguard.models.products.product_hooks(model).add(fn)`` (the one injection path)."""
+        return self._products.add(fn)
 
     def due(self) -> tuple[bool, bool, bool]:
         if not self.cfg.check:
@@ -126,21 +125,9 @@ class ABFTHandle:
 
     # -- used by the kernel
     def fire(self, layer: int, product: str, t: torch.Tensor) -> None:
-        if not self._hooks:
-            return
-        with torch.no_grad():
-            # a product that is a column block of a fused GEMM (q / k / v of GPT-2's c_attn) is a strided
-            # view: hooks get a contiguous copy (as if it were its own GEMM's output), written back after
-            view = t if t.is_contiguous() else t.contiguous()
-            for fn in list(self._hooks.values()):
-                r = fn(layer, product, view)
-                if r is not None and r is not view:
-                    if r.shape != view.shape:
-                        raise TrainguardError(f"fault hook returned shape {tuple(r.shape)} for {product} "
-                                              f"of shape {tuple(t.shape)}")
-                    view.copy_(r)
-            if view is not t:
-                t.copy_(view)
+        """The model's product hooks (fault injection) on a product right after its GEMM, in place."""
+        if self._products:
+            self._products.fire(layer, product, t)
 
     def share_qkv_storage(self, linears: list) -> None:
         """Back the q / k / v weights with one storage (see :mod:`trainguard.sdc.abft.layout`): the fused QKV
@@ -224,7 +211,7 @@ def protect(model: nn.Module, config: ABFTConfig | None = None) -> ABFTHandle:
     cfg = (config or ABFTConfig()).validate()
     if getattr(model, _ATTR, None) is not None:
         raise TrainguardError("model is already ABFT-protected (call unprotect first)")
-    handle = ABFTHandle(model=model, cfg=cfg)
+    handle = ABFTHandle(model=model, cfg=cfg, _products=product_hooks(model))
     from trainguard.models.llama import LlamaModel
 
     if isinstance(model, LlamaModel):
@@ -260,4 +247,4 @@ def handle_of(model: nn.Module) -> ABFTHandle | None:
     return getattr(model, _ATTR, None)
 
 
-__all__ = ["ABFTConfig", "ABFTHandle", "protect", "unprotect", "handle_of", "section_due", "SECTIONS", "PRODUCTS"]
+__all__ = ["PRODUCTS", "SECTIONS", "ABFTConfig", "ABFTHandle", "handle_of", "protect", "section_due", "unprotect"]

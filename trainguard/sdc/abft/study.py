@@ -80,7 +80,7 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
     inp, tgt = x[:, :-1], x[:, 1:]
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
     result = StudyResult(model_name, trials)
-    from trainguard.cli.output import TaskBar
+    from trainguard.utils import TaskBar
 
     bar = TaskBar(progress, "study attention", len(faults) * len(PRODUCTS) * trials)
     try:
@@ -90,14 +90,14 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
             for product in PRODUCTS:
                 seen: dict[str, tuple[str, set[str]]] = {}
                 bad_runs = 0
-                for trial in range(trials):
+                for _ in range(trials):
                     model.load_state_dict(snapshot)
                     layer = int(torch.randint(model.cfg.n_layers, (1,), generator=g))
                     att = model.layers[str(layer)].attention
                     captured: dict[str, torch.Tensor] = {}
                     fired = {"done": False}
 
-                    def hook(mod, name, t, fired=fired, captured=captured):
+                    def hook(mod, name, t, fired=fired, captured=captured, product=product, fm=fm):
                         if name == product and not fired["done"]:
                             fired["done"] = True
                             t = t.clone()

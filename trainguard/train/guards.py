@@ -1,0 +1,134 @@
+"""Step guards: verify a training step before it is committed, and ask for it to be re-executed.
+
+A :class:`StepGuard` sees every step twice: after forward/backward, **before** the optimizer update
+(gradients are ready, parameters untouched) and **after** the update (new parameters, not yet
+committed). Each look returns a :class:`Verdict`: commit, retry or abort. The trainer reduces the verdicts
+of every guard on every rank (all data-parallel replicas and all pipeline stages) to the worst one, so
+all ranks retry together and no collective is left waiting.
+
+A retry restores the step's starting state on every rank and runs the step again (``Trainer.train_step``):
+RNG, data position and gradients always; parameters, optimizer and scheduler only when the update had
+already run (guards that set ``inspects_update = False`` never cost a copy of the optimizer state); and
+every component registered with ``Trainer.register_state``. Retries are bounded
+(``train.max_retries``). A retry asked for at the same site (rank and guard site) on consecutive attempts of
+one step is reported as suspected persistent hardware (:class:`~trainguard.errors.SuspectedHardwareFault`,
+exit code 3): re-executing on the same device will not help.
+
+Writing a guard::
+
+    class FiniteLoss(StepGuard):
+        name = "finite-loss"
+        inspects_update = False                 # only looks before the update: no snapshot of the optimizer
+
+        def before_update(self, ctx):
+            if not torch.isfinite(ctx.loss).all():
+                return Verdict.retry(site="loss", reason="non-finite loss")
+            return Verdict.commit()
+
+    trainer.add_guard(FiniteLoss())
+
+Relies on torch only (the reduction is done by the trainer's parallel strategy).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from trainguard.train.trainer import Trainer
+
+
+class Action(enum.IntEnum):
+    """Ordered by severity: the reduction across guards and ranks keeps the largest."""
+
+    COMMIT = 0
+    RETRY = 1
+    ABORT = 2
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: Action = Action.COMMIT
+    site: str = ""  # where the problem was seen ("abft:layer3/context", "dmr:aten.mm#12", "loss")
+    reason: str = ""
+    guard: str = ""  # filled in by the trainer
+    rank: int = 0  # filled in by the trainer
+
+    @classmethod
+    def commit(cls) -> Verdict:
+        return _COMMIT
+
+    @classmethod
+    def retry(cls, site: str, reason: str = "") -> Verdict:
+        return cls(Action.RETRY, site, reason)
+
+    @classmethod
+    def abort(cls, site: str, reason: str = "") -> Verdict:
+        return cls(Action.ABORT, site, reason)
+
+    @property
+    def ok(self) -> bool:
+        return self.action == Action.COMMIT
+
+    def where(self) -> str:
+        """``rank R, GUARD at SITE`` for reports."""
+        return f"rank {self.rank}, {self.guard or 'guard'} at {self.site or '?'}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"action": self.action.name.lower(), "site": self.site, "reason": self.reason, "guard": self.guard,
+                "rank": self.rank}
+
+
+_COMMIT = Verdict()
+
+
+@dataclass
+class StepContext:
+    """What a guard sees of the step being verified."""
+
+    trainer: Trainer
+    step: int
+    attempt: int  # 0: first execution; 1, 2, ...: re-executions after a retry verdict
+    loss: torch.Tensor | None = None  # this rank's mean loss over its micro-batches (None on stages without one)
+    stage: str = "before_update"  # before_update | after_update
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StepGuard:
+    """Base class (and protocol) of step guards; override what you need. Every method is optional.
+
+    ``inspects_update``: whether :meth:`after_update` looks at anything. When no registered guard does, a
+    retry never needs to roll the optimizer back, so the trainer does not snapshot parameters and
+    optimizer state at all.
+    """
+
+    name: str = "guard"
+    inspects_update: bool = False
+
+    def on_step_start(self, ctx: StepContext) -> None:
+        """Called before every attempt of a step (reset per-attempt counters here)."""
+
+    def before_update(self, ctx: StepContext) -> Verdict:
+        return Verdict.commit()
+
+    def after_update(self, ctx: StepContext) -> Verdict:
+        return Verdict.commit()
+
+    def on_retry(self, ctx: StepContext, verdict: Verdict) -> None:
+        """Called on every rank after the step's state was restored, before the re-execution."""
+
+    def on_commit(self, ctx: StepContext) -> None:
+        """Called once the step is committed."""
+
+
+def worst(verdicts: list[Verdict]) -> Verdict:
+    """The most severe verdict (the first one among equals)."""
+    out = _COMMIT
+    for v in verdicts:
+        if v.action > out.action:
+            out = v
+    return out
