@@ -1,6 +1,7 @@
 """Campaigns classify trials correctly on cases whose outcome is known."""
 
-from trainguard.faults import Fault, FaultModel, OpSite, TensorSite, TrainingTrial, run_campaign
+from trainguard.faults import Fault, FaultModel, OpSite, TensorSite, run_campaign
+from trainguard.train.trial import TrainingTrial
 
 
 class Reporter:

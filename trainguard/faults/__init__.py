@@ -7,7 +7,7 @@
 """
 
 from trainguard.faults.bits import FaultModel, flip_bit, layout
-from trainguard.faults.campaign import CampaignSummary, TrainingTrial, TrialOutcome, classify, run_campaign
+from trainguard.faults.campaign import CampaignSummary, TrialOutcome, classify, run_campaign
 from trainguard.faults.injector import Fault, InjectionRecord, Injector, ModuleSite, OpSite, ProductSite, TensorSite
 from trainguard.faults.schedules import PRESETS_MTBF_HOURS, FailureSchedule, kill_due
 
@@ -23,7 +23,6 @@ __all__ = [
     "OpSite",
     "ProductSite",
     "TensorSite",
-    "TrainingTrial",
     "TrialOutcome",
     "classify",
     "flip_bit",

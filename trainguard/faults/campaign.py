@@ -9,7 +9,7 @@ Every trial is classified (the classes the fault-tolerance literature uses):
   (``nonfinite`` in the trial record says whether it went as far as NaN/INF).
 
 A fault whose site was never reached is counted in ``unreached``, never silently dropped.
-The default trial trains a small model for a few steps with ``trainguard.train.Trainer``.
+The default trial (a few training steps of a small model) is ``trainguard.train.trial.TrainingTrial``.
 Relies on torch and rich (progress bar on stderr).
 """
 
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainguard.faults.injector import Fault, Injector
+from trainguard.faults.injector import Fault
 
 OUTCOMES = ("corrected", "detected", "masked", "silent")
 
@@ -112,53 +112,3 @@ def _fault_dict(fault: Fault) -> dict[str, Any]:
     d = {"site": type(fault.site).__name__, **asdict(fault.site), **{f"model_{k}": v for k, v in asdict(fault.model).items()},
          "step": fault.step, "index": fault.index}
     return {k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
-
-
-# ---------------------------------------------------------------------------------------------------
-# The default trial: a few training steps of a small model.
-
-SMALL_RUN = ["--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "2", "--model.ffn_hidden", "64",
-             "--data.seq_len", "32", "--data.batch_size", "4", "--data.max_bytes", "500000",
-             "--train.eval_every", "0", "--output.dir", "", "--output.progress", "false", "--output.metrics", "false"]
-
-
-class TrainingTrial:
-    """Trains ``steps`` steps from the same seed each time; ``protector(trainer)`` (optional) returns an
-    object whose ``total()`` gives ``{"detected": n, "corrected": n}`` after the run."""
-
-    def __init__(self, overrides: list[str] | None = None, steps: int = 3, seed: int = 0,
-                 protector: Callable[[Any], Any] | None = None):
-        from trainguard.config import load_config
-
-        self.cfg = load_config(None, [*SMALL_RUN, *(overrides or []), "--train.steps", str(steps)])
-        self.steps, self.seed, self.protector = steps, seed, protector
-        self._batches = None
-
-    def _trainer(self):
-        from trainguard.train import Trainer
-
-        trainer = Trainer(self.cfg, batches=self._batches)
-        self._batches = trainer.batches  # read the corpus once
-        return trainer
-
-    def reference(self) -> dict[str, torch.Tensor]:
-        trainer = self._trainer()
-        handle = self.protector(trainer) if self.protector else None
-        for _ in range(self.steps):
-            trainer.train_step()
-        if handle is not None and any(handle.total().get(k, 0) for k in ("detected", "corrected")):
-            raise RuntimeError("the protector flagged the fault-free reference run (false positive)")
-        return trainer.state_dict_for_compare()
-
-    def __call__(self, fault: Fault, trial: int) -> TrialOutcome:
-        trainer = self._trainer()
-        handle = self.protector(trainer) if self.protector else None
-        injector = Injector(fault, seed=self.seed * 100_003 + trial).attach(trainer)
-        loss = float("nan")
-        for _ in range(self.steps):
-            loss = trainer.train_step().loss
-        injector.detach()
-        counts = handle.total() if handle is not None else {}
-        return TrialOutcome(trainer.state_dict_for_compare(), int(counts.get("detected", 0)),
-                            int(counts.get("corrected", 0)), loss, [r.to_dict() for r in injector.records],
-                            reached=not injector.unfired())

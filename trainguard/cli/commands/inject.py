@@ -37,7 +37,8 @@ def run(args) -> int:
     import torch
 
     from trainguard.errors import TrainguardError
-    from trainguard.faults import Fault, FaultModel, ModuleSite, OpSite, TensorSite, TrainingTrial, run_campaign
+    from trainguard.faults import Fault, FaultModel, ModuleSite, OpSite, TensorSite, run_campaign
+    from trainguard.train.trial import TrainingTrial
 
     if args.trials < 1 or args.steps < 1:
         raise TrainguardError(f"--trials and --steps must be >= 1, got {args.trials} and {args.steps}")
