@@ -7,8 +7,9 @@ Relies on plain ``torch.nn`` only. Two attention paths:
   and fault injection can reach it by name (``q``, ``k``, ``v``, ``scores``, ``context``, ``output``).
 * ``sdpa``: fused ``scaled_dot_product_attention`` when nothing needs the internals.
 
-``Attention.kernel`` (default ``None``) lets a technique replace the whole attention computation
-(ABFT installs its protected kernel there) without subclassing or monkey-patching.
+``Attention.kernel`` and ``FeedForward.kernel`` are kernel slots (:mod:`trainguard.models.slots`): a
+technique replaces the computation (ABFT's protected attention) or wraps it (MeCeFO's approximations)
+without subclassing or monkey-patching, and several techniques compose.
 
 Layers live in an ``nn.ModuleDict`` keyed by index (TorchTitan's convention) so a pipeline stage can
 delete the blocks it does not own and keep the others' parameter names.
@@ -26,6 +27,7 @@ from torch import nn
 from trainguard.models.config import ModelConfig
 from trainguard.models.moe import MoEFeedForward
 from trainguard.models.products import ProductHooks, product_hooks
+from trainguard.models.slots import KernelSlot
 
 ProductHook = Callable[["Attention", str, torch.Tensor], "torch.Tensor | None"]
 
@@ -67,7 +69,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.kernel: Callable | None = None  # replaces the explicit path when set (ABFT)
+        self.kernel = KernelSlot()  # ABFT replaces the computation here; others wrap it
         self.product_hooks: dict[int, ProductHook] = {}
         self.layer_id = 0  # set by LlamaModel: the block index products are reported under
         self.products = ProductHooks()  # replaced by the model's shared registry (models/products.py)
@@ -91,8 +93,11 @@ class Attention(nn.Module):
         return t.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(self, x, cos, sin)
+        if self.kernel:
+            return self.kernel(self, self.default_forward, x, cos, sin)
+        return self.default_forward(x, cos, sin)
+
+    def default_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         explicit = self.impl == "explicit" or bool(self.product_hooks) or bool(self.products)
         q = self.wq(x)
@@ -127,8 +132,14 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.kernel = KernelSlot()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            return self.kernel(self, self.default_forward, x)
+        return self.default_forward(x)
+
+    def default_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 

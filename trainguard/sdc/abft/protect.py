@@ -47,6 +47,7 @@ _ATTR = "_trainguard_abft"
 
 @dataclass
 class ABFTConfig:
+    enabled: bool = False           # the trainer's switch ([sdc.abft] enabled, or [sdc] abft = true)
     frequencies: tuple[float, float, float] = (1.0, 1.0, 1.0)  # (AS, CL, O) check frequencies
     backward: bool = False          # verify the backward-pass GEMMs too
     check: bool = True              # False: run the kernel (and hooks) without any checksum work
@@ -179,7 +180,7 @@ class ABFTHandle:
 def _llama_kernel(handle: ABFTHandle, layer: int):
     from trainguard.models.llama import apply_rope
 
-    def kernel(module, x, cos, sin):
+    def kernel(module, x, cos, sin):  # a replacement in the Attention.kernel slot
         out, _ = protected_attention(
             handle, layer, x, linear_proj(module.wq), linear_proj(module.wk), linear_proj(module.wv),
             linear_proj(module.wo), n_heads=module.n_heads, head_dim=module.head_dim,
@@ -192,16 +193,15 @@ def _llama_kernel(handle: ABFTHandle, layer: int):
 def _protect_llama(model, handle: ABFTHandle) -> None:
     for key, block in model.layers.items():
         att = block.attention
-        handle._restore.append((att, att.kernel))
-        att.kernel = _llama_kernel(handle, int(key))
+        handle._restore.append(att.kernel.push(_llama_kernel(handle, int(key)), name="abft", replaces=True))
         handle.share_qkv_storage([att.wq, att.wk, att.wv])
         handle.n_layers += 1
     handle.kind = "llama"
 
 
 def _unprotect_llama(handle: ABFTHandle) -> None:
-    for att, kernel in handle._restore:
-        att.kernel = kernel
+    for remove in handle._restore:
+        remove()
 
 
 # ---------------------------------------------------------------- public
