@@ -83,6 +83,35 @@ def test_context_fn_sees_forward_and_recompute(batches):
     assert calls.count("forward") == 2 and calls.count("recompute") == 2
 
 
+def test_checkpoint_contexts_of_several_users_compose_and_survive_a_policy_switch(batches):
+    from trainguard.faults import Fault, FaultModel, Injector, OpSite
+    from trainguard.train import add_checkpoint_context, set_checkpoint_early_stop
+
+    t = Trainer(tiny_cfg("--train.activation_checkpoint", "full"), batches=batches)
+    seen = {"a": [], "b": []}
+
+    def user(name):
+        @contextlib.contextmanager
+        def tag(kind):
+            seen[name].append(kind)
+            yield
+
+        return lambda: (tag("forward"), tag("recompute"))
+
+    remove_a = add_checkpoint_context(t.model, user("a"))
+    add_checkpoint_context(t.model, user("b"))
+    # the injector registers its own recompute label beside them (it used to overwrite the context)
+    inj = Injector(Fault(OpSite("aten.mm*", "recompute", 0), FaultModel("value", value=0.5), step=0)).attach(t)
+    set_checkpoint_early_stop(t.model, False)
+    t.train_step()
+    assert seen["a"] == seen["b"] and seen["a"].count("recompute") == 2 and seen["a"].count("forward") == 2
+    assert [r.phase for r in inj.records] == ["recompute"]
+    remove_a()
+    apply_activation_checkpointing(t.model, "selective", ("ffn",))  # policy switch keeps registrations
+    t.train_step()
+    assert len(seen["a"]) == 4 and seen["b"].count("forward") == 4
+
+
 def test_bf16_autocast_runs(batches):
     t = Trainer(tiny_cfg("--train.dtype", "bf16"), batches=batches)
     seen = []

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainguard.errors import TrainguardError
 from trainguard.faults.bits import FaultModel, random_index
 from trainguard.models.products import product_hooks
+from trainguard.train.activation_checkpoint import add_checkpoint_context
 
 PHASES = ("forward", "recompute", "backward", "optimizer", "any")
 
@@ -152,10 +153,8 @@ class Injector:
     def attach_model(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Injector:
         self._model, self._optimizer = model, optimizer
         names = dict(model.named_modules())
-        # Blocks wrapped by trainguard.train.activation_checkpoint: label their recompute's ops.
-        for m in names.values():
-            if hasattr(m, "_tg_ac_context_fn"):
-                m._tg_ac_context_fn = self.checkpoint_context_fn()
+        # Modules under activation checkpointing: label their recompute's ops (composes with other users).
+        self._handles.append(add_checkpoint_context(model, self.checkpoint_context_fn()))
         for i, f in enumerate(self.faults):
             if isinstance(f.site, ModuleSite):
                 matched = [n for n in names if n and fnmatch.fnmatchcase(n, f.site.pattern)]

@@ -5,15 +5,23 @@ Relies on ``torch.utils.checkpoint.checkpoint`` (non-reentrant). Wrapping replac
 ``forward`` on the instance (a bound method, so ``copy.deepcopy`` rebinds it to the copy), which keeps
 parameter names unchanged: state dicts and checkpoints are the same with or without a policy.
 
-``context_fn`` is passed to ``checkpoint`` as is: it returns two context managers, one entered around the
-original forward and one around the recompute (Piggyback-DMR passes two ``TorchDispatchMode``s there).
-``early_stop=False`` makes the recompute replay every op of the segment, including its last one.
+**Checkpoint contexts compose.** Each root model has one :class:`CheckpointContexts` registry shared by
+all its wrapped modules. ``add_checkpoint_context(model, factory)`` registers a factory returning
+``(forward_ctx, recompute_ctx)`` (``torch.utils.checkpoint``'s ``context_fn`` contract: the first is
+entered around the original forward, the second around the recompute in backward) and returns a
+remover. Every registered pair is entered, in registration order, so the fault injector (which labels
+recompute ops), DMR (which compares forward and recompute) and any other user coexist.
+``set_checkpoint_early_stop(model, False)`` makes the recompute replay every op of the segment,
+including its last one (Piggyback-DMR needs that); the default ``True`` is PyTorch's early stop.
+Registrations survive switching the policy (``apply_activation_checkpointing`` again).
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,37 +40,90 @@ OP_KINDS = {
 }
 
 
+ContextFactory = Callable[[], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]]
+_REGISTRY = "_trainguard_ac_contexts"
+_WRAPPED = "_trainguard_ac_registry"
+
+
+class CheckpointContexts:
+    """The checkpoint contexts and early-stop setting of one model (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.factories: list[ContextFactory] = []
+        self.early_stop = True
+
+    def add(self, factory: ContextFactory) -> Callable[[], None]:
+        self.factories.append(factory)
+        return lambda: self.factories.remove(factory) if factory in self.factories else None
+
+    def context_fn(self) -> tuple[Any, Any]:
+        """``torch.utils.checkpoint``'s ``context_fn``: every registered pair, entered together."""
+        if not self.factories:
+            return noop_context_fn()
+        pairs = [f() for f in self.factories]
+        return _Stack([p[0] for p in pairs]), _Stack([p[1] for p in pairs])
+
+
+class _Stack(contextlib.ExitStack):
+    """Enter several context managers in order (an ExitStack that knows them up front)."""
+
+    def __init__(self, managers: list) -> None:
+        super().__init__()
+        self._managers = managers
+
+    def __enter__(self):
+        super().__enter__()
+        for m in self._managers:
+            self.enter_context(m)
+        return self
+
+
+def checkpoint_contexts(model: nn.Module) -> CheckpointContexts:
+    """The model's registry (created on first use)."""
+    reg = getattr(model, _REGISTRY, None)
+    if reg is None:
+        reg = CheckpointContexts()
+        object.__setattr__(model, _REGISTRY, reg)
+    return reg
+
+
+def add_checkpoint_context(model: nn.Module, factory: ContextFactory) -> Callable[[], None]:
+    """Register ``factory() -> (forward_ctx, recompute_ctx)`` for every checkpointed module of ``model``;
+    returns a remover."""
+    return checkpoint_contexts(model).add(factory)
+
+
+def set_checkpoint_early_stop(model: nn.Module, early_stop: bool) -> None:
+    """``False``: the recompute replays every op of each segment, including its last one."""
+    checkpoint_contexts(model).early_stop = bool(early_stop)
+
+
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
     original = type(self).forward.__get__(self)
     if not torch.is_grad_enabled():  # eval / no_grad: nothing to save, run as is
         return original(*args, **kwargs)
-    return checkpoint(
-        original,
-        *args,
-        use_reentrant=False,
-        context_fn=self._tg_ac_context_fn or noop_context_fn,
-        early_stop=self._tg_ac_early_stop,
-        **kwargs,
-    )
+    reg: CheckpointContexts = getattr(self, _WRAPPED)
+    return checkpoint(original, *args, use_reentrant=False, context_fn=reg.context_fn, early_stop=reg.early_stop,
+                      **kwargs)
 
 
-def wrap_module(module: nn.Module, context_fn: Callable | None = None, early_stop: bool = True) -> nn.Module:
-    """Make ``module``'s forward run under non-reentrant activation checkpointing (in place)."""
-    module._tg_ac_context_fn = context_fn
-    module._tg_ac_early_stop = early_stop
+def wrap_module(module: nn.Module, registry: CheckpointContexts | None = None) -> nn.Module:
+    """Make ``module``'s forward run under non-reentrant activation checkpointing (in place), with the
+    contexts of ``registry`` (its own registry when None)."""
+    object.__setattr__(module, _WRAPPED, registry if registry is not None else checkpoint_contexts(module))
     module.forward = types.MethodType(_checkpointed_forward, module)
     return module
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
-    if "forward" in module.__dict__ and hasattr(module, "_tg_ac_early_stop"):
+    if is_wrapped(module):
         del module.forward
-        del module._tg_ac_context_fn, module._tg_ac_early_stop
+        object.__delattr__(module, _WRAPPED)
     return module
 
 
 def is_wrapped(module: nn.Module) -> bool:
-    return "forward" in module.__dict__ and hasattr(module, "_tg_ac_early_stop")
+    return "forward" in module.__dict__ and _WRAPPED in module.__dict__
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -76,12 +137,14 @@ def apply_activation_checkpointing(
     model: nn.Module,
     policy: str = "full",
     ops: Iterable[str] = ("attention",),
-    context_fn: Callable | None = None,
-    early_stop: bool = True,
+    context_fn: ContextFactory | None = None,
+    early_stop: bool | None = None,
 ) -> list[nn.Module]:
     """Apply a policy in place; returns the wrapped modules (empty for ``none``).
 
-    Re-applying first removes any previous wrapping, so policies can be switched on a live model.
+    Re-applying first removes any previous wrapping, so policies can be switched on a live model; the
+    model's checkpoint contexts stay registered. ``context_fn`` and ``early_stop`` are shorthands for
+    :func:`add_checkpoint_context` and :func:`set_checkpoint_early_stop`.
     """
     if policy not in POLICIES:
         raise ConfigError(f"train.activation_checkpoint must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -105,8 +168,13 @@ def apply_activation_checkpointing(
                     sub = getattr(block, attr, None)
                     if sub is not None and all(sub is not t for t in targets):
                         targets.append(sub)
+    reg = checkpoint_contexts(model)
+    if context_fn is not None:
+        reg.add(context_fn)
+    if early_stop is not None:
+        reg.early_stop = bool(early_stop)
     for m in targets:
-        wrap_module(m, context_fn, early_stop)
+        wrap_module(m, reg)
     return targets
 
 
