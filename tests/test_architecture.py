@@ -22,8 +22,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("trainguard.sdc.abft", "trainguard.sdc"),
     ("trainguard.sim",),
     ("trainguard.failover",),
-    ("trainguard.train",),
     ("trainguard.faults",),
+    ("trainguard.train",),
     ("trainguard.models", "trainguard.data"),
     ("trainguard.utils",),
     ("trainguard.errors", "trainguard"),
@@ -79,7 +79,7 @@ def test_no_module_imports_a_layer_above_its_own():
 
 
 def test_the_contract_catches_an_upward_import_even_inside_a_function(tmp_path):
-    pkg = tmp_path / "trainguard" / "train"
+    pkg = tmp_path / "trainguard" / "train"  # the trainer must not reach up to the CLI
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("from trainguard.models import build_model\n")
     (pkg / "loop.py").write_text("def f():\n    from trainguard.cli.output import emit_json\n    from .. import errors\n")

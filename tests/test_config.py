@@ -16,7 +16,7 @@ def test_toml_and_overrides(tmp_path):
     p = write(tmp_path, '[model]\npreset = "llama-tiny"\ndim = 64\n[train]\nsteps = 7\nlr = 1e-3\n')
     cfg = load_config(p, ["--train.steps", "9", "--data.seq_len=32", "--sdc.abft", "true"])
     assert cfg.train.steps == 9 and cfg.train.lr == 1e-3
-    assert cfg.data.seq_len == 32 and cfg.sdc.abft is True
+    assert cfg.data.seq_len == 32 and cfg.sdc.abft.enabled is True
     assert cfg.model_config().dim == 64 and cfg.model_config().n_layers == 2
 
 

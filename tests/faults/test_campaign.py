@@ -1,7 +1,7 @@
 """Campaigns classify trials correctly on cases whose outcome is known."""
 
 from trainguard.faults import Fault, FaultModel, OpSite, TensorSite, run_campaign
-from trainguard.train.trial import TrainingTrial
+from trainguard.faults.trial import TrainingTrial
 
 
 class Reporter:

@@ -14,18 +14,29 @@ import torch
 
 from trainguard.data.corpus import STDLIB, TokenStreams, load_corpus
 from trainguard.errors import DataError
+from trainguard.utils.settings import setting
 
 _STEP_STRIDE = 1_000_003  # keeps (seed, step) generator seeds distinct for any realistic run
 
 
 @dataclass
 class DataConfig:
-    source: str = STDLIB
-    seq_len: int = 128
-    batch_size: int = 8  # global batch (sequences per optimizer step)
-    val_fraction: float = 0.02
-    max_bytes: int = 0  # 0: read the whole corpus
-    seed: int = 0
+    source: str = setting(STDLIB, help="corpus: 'stdlib' (Python's own sources), a text file or a folder")
+    seq_len: int = setting(128, help="tokens per sequence")
+    batch_size: int = setting(8, help="global batch: sequences per optimizer step, over all ranks")
+    val_fraction: float = setting(0.02, help="share of the corpus held out for validation, in [0, 1)")
+    max_bytes: int = setting(0, help="read at most this many bytes of the corpus (0: all)")
+    seed: int = setting(0, help="seed of the batch order")
+
+    def validate(self) -> DataConfig:
+        for name in ("seq_len", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise DataError(f"data.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.val_fraction < 1:
+            raise DataError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.max_bytes < 0:
+            raise DataError(f"data.max_bytes must be >= 0 (0: all), got {self.max_bytes}")
+        return self
 
 
 class PackedBatches:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
+from typing import Any
 
 from trainguard.errors import ConfigError
+from trainguard.utils.settings import coerce, type_name
 
 
 @dataclass
@@ -93,3 +96,35 @@ def model_config(preset: str = "llama-tiny", **overrides) -> ModelConfig:
 
 def preset_names() -> list[str]:
     return list(PRESETS)
+
+
+@dataclass
+class ModelSection:
+    """The ``[model]`` section of a run: a preset plus any ``ModelConfig`` field as a key of its own
+    (``[model] preset = "llama-tiny"  dim = 64``); those are kept in ``overrides``."""
+
+    preset: str = dataclasses.field(default="llama-tiny", metadata={"help": f"model preset ({', '.join(PRESETS)})"})
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict, init=False,
+                                                  metadata={"help": "ModelConfig fields set in this section"})
+
+    def build_config(self) -> ModelConfig:
+        return model_config(self.preset, **self.overrides)
+
+    def set_extra(self, key: str, value: Any, from_text: bool) -> None:
+        """A ``ModelConfig`` field given in ``[model]`` (validated against its type)."""
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        if key not in fields:
+            raise ConfigError(f"unknown key model.{key} (model fields: preset, {', '.join(sorted(fields))})")
+        self.overrides[key] = coerce(f"model.{key}", typing.get_type_hints(ModelConfig)[key], value, from_text)
+
+    def validate(self) -> ModelSection:
+        if self.preset not in PRESETS:
+            raise ConfigError(f"unknown model preset {self.preset!r} (choose from {', '.join(PRESETS)})")
+        self.build_config()
+        return self
+
+    @staticmethod
+    def describe_extra() -> list[tuple[str, str, str, str]]:
+        hints = typing.get_type_hints(ModelConfig)
+        return [(f.name, type_name(hints[f.name]), "(preset)", "overrides the preset's value")
+                for f in dataclasses.fields(ModelConfig)]

@@ -1,25 +1,35 @@
 """Switch SDC protections on for a Trainer from the run config's ``[sdc]`` section.
 
 ``attach_from_config(trainer)`` is what ``trainguard train`` calls (via ``run_training(setup=...)``):
-with ``[sdc] abft = true`` it protects the model's attention with ABFT (``trainguard.sdc.abft``),
-registers the handle as a step callback (so ``abft_frequencies`` are applied by step) and exposes the
+with ``[sdc.abft] enabled = true`` (or ``[sdc] abft = true``) it protects the model's attention with ABFT (``trainguard.sdc.abft``),
+registers the handle as a step callback (so the check frequencies are applied by step) and exposes the
 per-section counters as metrics (``abft_AS_detected``, ...). Lives in the sdc layer because the trainer
 sits below it and must not import techniques.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from trainguard.sdc.abft import ABFTConfig, protect
+
+
+@dataclass
+class SDCConfig:
+    """The ``[sdc]`` section: one sub-section per detector (``[sdc.abft]``)."""
+
+    abft: ABFTConfig = field(default_factory=ABFTConfig)
+    # the flat keys of earlier versions ([sdc] abft = true is the section's `enabled` switch)
+    settings_aliases: ClassVar[dict[str, str]] = {"abft_backward": "abft.backward", "abft_frequencies": "abft.frequencies"}
 
 
 def attach_from_config(trainer) -> dict[str, Any]:
     """Apply ``trainer.cfg.sdc``; returns the handles it created (``{"abft": handle}`` or ``{}``)."""
     sdc = trainer.cfg.sdc
     handles: dict[str, Any] = {}
-    if sdc.abft:
-        from trainguard.sdc.abft import ABFTConfig, protect
-
-        handle = protect(trainer.model, ABFTConfig(frequencies=tuple(sdc.abft_frequencies), backward=sdc.abft_backward))
+    if sdc.abft.enabled:
+        handle = protect(trainer.model, sdc.abft)
         trainer.callbacks.append(handle)
         trainer.metric_sources.append(lambda: abft_metrics(handle))
         handles["abft"] = handle

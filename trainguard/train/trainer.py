@@ -1,15 +1,32 @@
-"""The training loop: one ``Trainer`` for single-process, gradient-accumulation and data-parallel runs.
+"""The training loop: one ``Trainer`` for every parallel strategy, its step split into named stages.
 
-A step is ``zero_grad -> (forward -> loss -> backward) x grad_accum -> clip -> optimizer.step ->
-scheduler.step``, all inside the contexts of ``Trainer.step_contexts`` (fault injection and verification
-modes wrap a whole step there). Batches come from ``PackedBatches.batch(step, rank, world, micro,
-n_micro)``, a pure function of the step, so resumed, rolled-back and re-sharded runs replay the same
-tokens. Under ``torchrun`` with ``distributed.dp > 1`` the model is wrapped in
-``DistributedDataParallel`` (gloo on CPU, nccl on CUDA); each rank averages its slice and DDP averages
-over ranks, so the gradient equals the single-process gradient of the global batch. Pipeline
-parallelism (``distributed.pp > 1``) is delegated to ``trainguard.train.pipeline.run_pipeline``.
+::
 
-Relies on torch (optim, amp autocast, DDP, DCP through ``checkpoint.py``) and rich (progress bar).
+    train_step()                                  one committed optimizer step
+      for each attempt (a retry re-executes the step from its start):
+        plan              strategy.plan             which slices of the global batch this rank computes
+        forward_backward  strategy.forward_backward  loss and gradients (synchronised across replicas)
+        guards            before_update            every StepGuard, verdicts reduced over all ranks
+        commit vote       strategy.should_commit    torchft's should_commit on elastic runs
+        update            clip + optimizer + scheduler
+        guards            after_update             only guards with ``inspects_update``
+      commit             step_idx += 1, callbacks' on_step_end, guards' on_commit
+    run()                 train_step() until train.steps, then log (metrics.jsonl), evaluate, checkpoint
+
+Parallelism is a strategy the Trainer is built with (:mod:`trainguard.train.parallel`): single process,
+DDP, pipeline (+ DP on a 2-D mesh), elastic torchft. Techniques plug in through public seams only:
+``add_guard`` (:mod:`trainguard.train.guards`), ``register_state`` (:mod:`trainguard.train.state`),
+``step_contexts`` (context managers around each attempt: the fault injector), ``callbacks``
+(``on_step_start(trainer, step)`` before every attempt, ``on_step_end(trainer, result)`` after the commit),
+``metric_sources`` (counters merged into every metrics record), activation-checkpoint contexts
+(:func:`trainguard.train.activation_checkpoint.add_checkpoint_context`) and the model's kernel slots and
+product hooks (:mod:`trainguard.models`).
+
+With no guard registered the step takes no snapshot and runs no extra collective. With guards, a step
+captures RNG and registered components at its start (cheap); parameters and optimizer state are copied
+only when some guard ``inspects_update``. Batches are a pure function of (seed, step, slice), so a
+retried, resumed or re-sharded step replays exactly the same tokens. Relies on torch (optim, amp
+autocast, DCP through ``checkpoint.py``) and rich (progress bar, through ``trainguard.utils``).
 """
 
 from __future__ import annotations
@@ -17,32 +34,35 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from trainguard.data import PackedBatches
-from trainguard.errors import ConfigError, TrainguardError
+from trainguard.errors import ConfigError, StepAborted, SuspectedHardwareFault, TrainguardError
 from trainguard.models import build_model, lm_loss
 from trainguard.train import snapshot as snap_mod
 from trainguard.train.activation_checkpoint import apply_activation_checkpointing
 from trainguard.train.checkpoint import CheckpointManager
 from trainguard.train.device import device_named
+from trainguard.train.guards import Action, StepContext, StepGuard, Verdict, worst
 from trainguard.train.host_memory import retain_freed_memory
 from trainguard.train.metrics import MetricsLogger, peak_memory_mb
-from trainguard.train.optim import build_optimizer, build_scheduler, clip_gradients
+from trainguard.train.optim import build_optimizer, build_scheduler
+from trainguard.train.parallel import Strategy, build_strategy, dist_env
+from trainguard.train.parallel.base import MicroBatch
 from trainguard.train.snapshot import StepSnapshot
+from trainguard.train.state import Stateful, StateRegistry, StepStart
 
 
 @dataclass
 class StepResult:
-    """One optimizer step. ``loss`` / ``grad_norm`` read the device tensors lazily (one sync when asked)."""
+    """One committed optimizer step. ``loss`` / ``grad_norm`` read the device tensors lazily (one sync)."""
 
     step: int
     loss_t: torch.Tensor = field(repr=False)
@@ -51,6 +71,8 @@ class StepResult:
     tokens: int
     step_time_s: float
     micro_batches: int = 1
+    attempts: int = 1  # 1 + the re-executions guards asked for
+    retries: list[dict[str, Any]] = field(default_factory=list)  # the verdicts that caused them
 
     @property
     def loss(self) -> float:
@@ -85,118 +107,64 @@ class RunSummary:
     metrics_path: str | None = None
     device: str = "cpu"
     world_size: int = 1
+    strategy: str = "single"
     model: str = ""
     params: int = 0
+    retries: int = 0
+    suspected_hardware: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Distributed set-up
-
-
-def dist_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun's environment (0, 1, 0 outside torchrun)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1, 0
-    return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
-
-
 def resolve_device(cfg, local_rank: int = 0) -> torch.device:
     return device_named(cfg.train.device, local_rank, "train.device")
 
 
-def init_distributed(cfg, device: torch.device) -> tuple[int, int, bool]:
-    """Initialise the default process group when launched with WORLD_SIZE > 1.
-
-    Returns (rank, world, created) where ``created`` says whether we own the group (and destroy it).
-    """
-    rank, world, _ = dist_env()
-    if world == 1:
-        return 0, 1, False
-    expected = cfg.distributed.dp * cfg.distributed.pp
-    if expected != world:
-        raise ConfigError(
-            f"launched with {world} processes but distributed.dp*pp = {expected}; they must match"
-        )
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), False
-    backend = cfg.distributed.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError("distributed.backend 'nccl' needs CUDA; use gloo on CPU")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, rank=rank, world_size=world)
-    return rank, world, True
-
-
-# ---------------------------------------------------------------------------------------------------
-
-
 class Trainer:
-    """See docs/HELPERS.md ("Trainer API")."""
+    """``Trainer(cfg, model=None, batches=None, strategy=None)``; ``cfg`` is a ``TrainerConfig`` (or the
+    ``RunConfig`` that extends it). See the module docstring for the stages and seams."""
 
-    def __init__(self, cfg, model=None, batches=None, *, progress: bool | None = None):
+    def __init__(self, cfg, model: torch.nn.Module | None = None, batches: PackedBatches | None = None, *,
+                 strategy: Strategy | None = None, progress: bool | None = None):
         self.cfg = cfg
-        self.step_contexts: list[Callable[[int], ContextManager]] = []
+        self.step_contexts: list[Callable[[int], contextlib.AbstractContextManager]] = []
         self.callbacks: list[object] = []
-        # Callables returning a flat dict of counters (e.g. ABFT detected/corrected) merged into every
-        # metrics record and into the run summary's ``extra``.
+        # callables returning a flat dict of counters (ABFT detected/corrected, ...) merged into every
+        # metrics record and into the run summary's ``extra``
         self.metric_sources: list[Callable[[], dict[str, Any]]] = []
+        self.guards: list[StepGuard] = []
+        self.state = StateRegistry()
         self.step_idx = 0
         self.stop_on_nan = False  # stop run() at the first non-finite loss (the step's result is kept)
         self.show_progress = cfg.output.progress if progress is None else progress
         self.resumed_from: str | None = None
-        self._owns_pg = False
-        self.pipeline = cfg.distributed.pp > 1
         if cfg.checkpoint.resume and not cfg.checkpoint.dir:
             raise ConfigError("checkpoint.resume is true but checkpoint.dir is empty")
-        if self.pipeline:
-            # Pipeline runs are driven by trainguard.train.pipeline (its own stage models and schedule).
-            self.model = self.optimizer = self.scheduler = self.batches = self.ddp = self.ckpt = None
-            self.device, self.rank, self.world = resolve_device(cfg), 0, 1
-            return
-        _, _, local_rank = dist_env()
-        self.device = resolve_device(cfg, local_rank)
-        self.rank, self.world, self._owns_pg = init_distributed(cfg, self.device)
+
+        self.strategy = strategy if strategy is not None else build_strategy(cfg)
+        self.device = resolve_device(cfg, dist_env()[2])
+        self.strategy.init(self)
         if cfg.train.host_memory == "retain" and self.device.type == "cpu":
             retain_freed_memory()
-        if self.world == 1 and cfg.distributed.dp > 1 and self.is_main:
-            sys.stderr.write(
-                f"trainguard: note: distributed.dp={cfg.distributed.dp} but not launched under torchrun; "
-                "running one process on the same global batch\n"
-            )
+        if self.world == 1 and cfg.distributed.dp > 1 and self.strategy.name in ("single", "ddp") and self.is_main:
+            sys.stderr.write(f"trainguard: note: distributed.dp={cfg.distributed.dp} but not launched under "
+                             "torchrun; running one process on the same global batch\n")
         torch.manual_seed(cfg.train.seed)
         if self.device.type == "cuda":
             torch.cuda.manual_seed_all(cfg.train.seed)
         self.model = model if model is not None else build_model(cfg.model_config(), seed=cfg.train.seed)
+        self.strategy.setup(self)  # may split the model into this rank's pipeline stage
         self.model.to(self.device)
         self.model.train()
         apply_activation_checkpointing(self.model, cfg.train.activation_checkpoint, cfg.train.selective_ops)
+        self.strategy.wrap(self)  # DDP wrapping, pipeline stage and schedule (after activation checkpointing)
         self.batches = batches if batches is not None else PackedBatches.from_config(cfg.data)
         self.grad_accum = cfg.train.grad_accum
-        parts = self.world * self.grad_accum
-        if self.batches.batch_size % parts:
-            raise ConfigError(
-                f"data.batch_size ({self.batches.batch_size}) must be divisible by world*grad_accum ({parts})"
-            )
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.strategy.check_batch(self)
+        self.optimizer = build_optimizer(self.model, cfg.train, fused=self.strategy.fused_optimizer(self))
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
-        self.ddp = None
-        if self.world > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            self.ddp = DDP(
-                self.model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False,
-                find_unused_parameters=bool(self.model.cfg.n_experts),  # unrouted experts get no grad
-            )
         self.autocast_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
         self.tokens_per_step = self.batches.batch_size * self.batches.seq_len  # global
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep) if cfg.checkpoint.dir else None
@@ -206,110 +174,190 @@ class Trainer:
             elif self.is_main:
                 sys.stderr.write(f"trainguard: note: no checkpoint in {self.ckpt.dir}; starting from step 0\n")
 
-    # ---- properties ------------------------------------------------------------------------------
+    # ---- properties and seams ------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.strategy.rank
+
+    @property
+    def world(self) -> int:
+        return self.strategy.world
+
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.strategy.is_main
 
     @property
     def forward_module(self) -> torch.nn.Module:
-        return self.ddp if self.ddp is not None else self.model
+        return self.strategy.forward_module(self)
 
-    def _autocast(self) -> ContextManager:
+    def add_guard(self, guard: StepGuard) -> Callable[[], None]:
+        """Register a step guard (on every rank); returns a remover."""
+        self.guards.append(guard)
+        return lambda: self.guards.remove(guard) if guard in self.guards else None
+
+    def register_state(self, name: str, component: Stateful) -> Callable[[], None]:
+        """Register a stateful component: snapshotted for retries, saved in checkpoints, sent when healing."""
+        return self.state.register(name, component)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     # ---- one step --------------------------------------------------------------------------------
+    def micro_batch(self, step: int, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of one planned slice, on the device."""
+        x, y = self.batches.batch(step, mb.index, mb.n_slices)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
     def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
+        with self.autocast():
             logits = self.forward_module(x)
             loss = lm_loss(logits, y)
-            aux = self.model.aux_loss()
+            aux = self.model.aux_loss() if hasattr(self.model, "aux_loss") else None
             if aux is not None:
                 loss = loss + aux
         return loss
 
     def train_step(self) -> StepResult:
-        """One optimizer step (all micro-batches), inside ``step_contexts``."""
-        self._check_runnable()
+        """One committed optimizer step (every attempt a guard asks for included)."""
         step = self.step_idx
-        for cb in self.callbacks:
-            fn = getattr(cb, "on_step_start", None)
-            if fn is not None:
-                fn(self, step)
         t0 = time.perf_counter()
-        lr = self.optimizer.param_groups[0]["lr"]
-        with contextlib.ExitStack() as stack:
-            for make in self.step_contexts:
-                stack.enter_context(make(step))
-            loss, grad_norm = self._step(step)
-        dt = time.perf_counter() - t0
+        guarded = bool(self.guards)
+        start = StepStart.capture(step, self.state) if guarded else None
+        inspects_update = any(g.inspects_update for g in self.guards)
+        retries: list[dict[str, Any]] = []
+        previous: set[tuple[int, str]] = set()
+        attempt = 0
+        while True:
+            ctx = StepContext(self, step, attempt)
+            lr = self.optimizer.param_groups[0]["lr"]
+            for cb in self.callbacks:
+                fn = getattr(cb, "on_step_start", None)
+                if fn is not None:
+                    fn(self, step)
+            for g in self.guards:
+                g.on_step_start(ctx)
+            update_snapshot: StepSnapshot | None = None
+            grad_norm = None
+            with contextlib.ExitStack() as stack:
+                for make in self.step_contexts:
+                    stack.enter_context(make(step))
+                self.optimizer.zero_grad(set_to_none=True)
+                plan = self.strategy.plan(self, step)
+                loss = self.strategy.forward_backward(self, plan)
+                ctx.loss = loss
+                verdicts = self._guard("before_update", ctx) if guarded else []
+                committed = not verdicts and self.strategy.should_commit(self)
+                if committed:
+                    if inspects_update:
+                        update_snapshot = snap_mod.capture(self.model, self.optimizer, self.scheduler, step)
+                    grad_norm = self.strategy.grad_norm(self, self.cfg.train.grad_clip)
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    if inspects_update:
+                        verdicts = self._guard("after_update", ctx)
+            if committed and not verdicts:
+                break
+            if not verdicts:  # the commit vote failed (a peer died): re-run the step with the new membership
+                self._rollback(start, None)
+                continue
+            verdict = worst(verdicts)
+            retries.append({"attempt": attempt, **verdict.to_dict()})
+            if verdict.action == Action.ABORT:
+                raise StepAborted(f"step {step}: {verdict.where()} asked to abort: {verdict.reason or 'no reason given'}")
+            sites = {(v.rank, f"{v.guard}:{v.site}") for v in verdicts if v.action == Action.RETRY}
+            repeated = sorted(sites & previous)
+            if repeated:
+                rank, site = repeated[0]
+                raise SuspectedHardwareFault(
+                    f"suspected persistent hardware fault: rank {rank}, {site} failed on {attempt + 1} consecutive "
+                    f"executions of step {step} (re-executing on the same device will not help)")
+            if attempt >= self.cfg.train.max_retries:
+                raise StepAborted(f"step {step}: still failing after {attempt} re-executions "
+                                  f"(train.max_retries); last: {verdict.where()}: {verdict.reason}")
+            previous = sites
+            self._rollback(start, update_snapshot)
+            for g in self.guards:
+                g.on_retry(ctx, verdict)
+            attempt += 1
         self.step_idx = step + 1
-        result = StepResult(step, loss, grad_norm, lr, self.tokens_per_step, dt, self.grad_accum)
+        global_loss = self.strategy.global_loss(self, loss)
+        result = StepResult(step, global_loss, grad_norm, lr, self.tokens_per_step, time.perf_counter() - t0,
+                            len(plan.micro), attempt + 1, retries)
+        done = StepContext(self, step, attempt, loss, "commit")
+        for g in self.guards:
+            g.on_commit(done)
         for cb in self.callbacks:
             fn = getattr(cb, "on_step_end", None)
             if fn is not None:
                 fn(self, result)
         return result
 
-    def _step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.optimizer.zero_grad(set_to_none=True)
-        n = self.grad_accum
-        total = None
-        for m in range(n):
-            x, y = self.batches.batch(step, self.rank, self.world, m, n)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            sync = self.ddp.no_sync() if (self.ddp is not None and m < n - 1) else contextlib.nullcontext()
-            with sync:
-                loss = self.compute_loss(x, y)
-                (loss / n if n > 1 else loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        grad_norm = clip_gradients(self.model.parameters(), self.cfg.train.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        mean = total / n if n > 1 else total
-        if self.world > 1:  # report the global-batch loss (ranks already sync every step in DDP)
-            mean = mean.clone()
-            dist.all_reduce(mean)
-            mean = mean / self.world
-        return mean, grad_norm
+    def _guard(self, stage: str, ctx: StepContext) -> list[Verdict]:
+        """Every guard's look at ``stage``, reduced over all ranks: the non-commit verdicts of every rank."""
+        ctx.stage = stage
+        local: list[Verdict] = []
+        for g in self.guards:
+            if stage == "after_update" and not g.inspects_update:
+                continue
+            v = g.before_update(ctx) if stage == "before_update" else g.after_update(ctx)
+            if not v.ok:
+                local.append(Verdict(v.action, v.site, v.reason, v.guard or g.name, self.rank))
+        return self.strategy.reduce_verdicts(self, worst(local))
 
-    def _check_runnable(self) -> None:
-        if self.pipeline:
-            raise TrainguardError("pipeline-parallel runs (distributed.pp > 1) are driven by Trainer.run() only")
+    def _rollback(self, start: StepStart | None, update: StepSnapshot | None) -> None:
+        """Back to the step's starting state (parameters and optimizer only if the update ran)."""
+        if update is not None:
+            snap_mod.restore(update, self.model, self.optimizer, self.scheduler)
+        self.optimizer.zero_grad(set_to_none=True)
+        if start is not None:
+            start.restore(self.state)
 
     # ---- evaluation ------------------------------------------------------------------------------
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            return lm_loss(self.model(x.to(self.device)), y.to(self.device)).float()
+
     @torch.no_grad()
     def evaluate(self, n_batches: int | None = None) -> dict[str, float]:
-        self._check_runnable()
         n = n_batches or self.cfg.train.eval_batches
-        micro = max(1, self.batches.batch_size // (self.world * self.grad_accum))
         was_training = self.model.training
         self.model.eval()
-        losses = []
         try:
-            for x, y in self.batches.val_batches(n):
-                for xs, ys in zip(x.split(micro), y.split(micro)):
-                    with self._autocast():
-                        losses.append(lm_loss(self.model(xs.to(self.device)), ys.to(self.device)).float())
+            val = self.strategy.evaluate(self, n)
         finally:
             self.model.train(was_training)
-        val = float(torch.stack(losses).mean()) if losses else float("nan")
         return {"val_loss": val, "val_ppl": math.exp(min(val, 50.0)) if math.isfinite(val) else float("nan")}
 
-    # ---- snapshots and comparisons ---------------------------------------------------------------
+    # ---- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a replica needs to continue this run (torchft heals a returning replica with it)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "step": self.step_idx, "rng": snap_mod.rng_state(),
+                "components": self.state.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_idx = int(state["step"])
+        if "rng" in state:
+            snap_mod.set_rng_state(_rng_for_this_host(state["rng"], self.device))
+        self.state.load_state_dict(state.get("components", {}), strict=False)
+
     def snapshot(self) -> StepSnapshot:
-        self._check_runnable()
-        return snap_mod.capture(self.model, self.optimizer, self.scheduler, self.step_idx)
+        return snap_mod.capture(self.model, self.optimizer, self.scheduler, self.step_idx,
+                                extra={"components": self.state.snapshot()})
 
     def restore(self, snap: StepSnapshot) -> None:
-        self._check_runnable()
         snap_mod.restore(snap, self.model, self.optimizer, self.scheduler)
+        self.state.load_state_dict(snap.extra.get("components", {}), strict=False)
         self.step_idx = snap.step
 
     def state_dict_for_compare(self, optimizer: bool = True) -> dict[str, torch.Tensor]:
-        self._check_runnable()
+        """Parameters (and optimizer state) of this rank as CPU copies, keyed by name."""
         out = {f"param/{n}": p.detach().cpu().clone() for n, p in self.model.named_parameters()}
         if optimizer:
             names = {id(p): n for n, p in self.model.named_parameters()}
@@ -323,7 +371,8 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         if self.ckpt is None:
             raise ConfigError("checkpoint.dir is not set")
-        state = {"step": self.step_idx, "rng": snap_mod.rng_state(), "world": self.world}
+        state = {"step": self.step_idx, "rng": snap_mod.rng_state(), "world": self.world,
+                 "strategy": self.strategy.name, "components": self.state.state_dict()}
         return self.ckpt.save(self.step_idx, self.model, self.optimizer, self.scheduler, self.cfg.to_dict(), state)
 
     def load_checkpoint(self, path: str | Path | None = None) -> dict:
@@ -333,10 +382,8 @@ class Trainer:
         state = manifest["trainer_state"]
         self.step_idx = int(state.get("step", manifest["step"]))
         if "rng" in state:
-            rng = dict(state["rng"])
-            if self.device.type != "cuda" or len(rng.get("cuda", [])) != torch.cuda.device_count():
-                rng.pop("cuda", None)
-            snap_mod.set_rng_state(rng)
+            snap_mod.set_rng_state(_rng_for_this_host(state["rng"], self.device))
+        self.state.load_state_dict(state.get("components", {}), strict=False)
         self.resumed_from = manifest["path"]
         return manifest
 
@@ -344,22 +391,18 @@ class Trainer:
     def run(self, steps: int | None = None) -> RunSummary:
         """Run ``steps`` more optimizer steps (default: until ``train.steps``), with progress bar,
         metrics.jsonl, evaluation every ``train.eval_every`` steps and checkpoints."""
-        if self.pipeline:
-            return run_pipeline(self.cfg)
         cfg = self.cfg
         start = self.step_idx
         n = steps if steps is not None else max(0, cfg.train.steps - start)
         end = start + n
         out_dir = Path(cfg.output.dir) if cfg.output.dir else None
         metrics_path = out_dir / "metrics.jsonl" if (out_dir and cfg.output.metrics and self.is_main) else None
-        logger = MetricsLogger(
-            metrics_path, total_steps=end, log_every=cfg.train.log_every,
-            progress=self.show_progress and self.is_main, device=self.device, start_step=start,
-        )
+        logger = MetricsLogger(metrics_path, total_steps=end, log_every=cfg.train.log_every,
+                               progress=self.show_progress and self.is_main, device=self.device, start_step=start)
         summary = RunSummary(start_step=start, device=str(self.device), world_size=self.world,
-                             model=cfg.model.preset, params=sum(p.numel() for p in self.model.parameters()),
-                             metrics_path=str(metrics_path) if metrics_path else None,
-                             resumed_from=self.resumed_from)
+                             strategy=self.strategy.name, model=cfg.model.preset,
+                             params=self.strategy.count_params(self),
+                             metrics_path=str(metrics_path) if metrics_path else None, resumed_from=self.resumed_from)
         first_loss = last = None
         last_eval_step = last_ckpt_step = -1
         evaluation: dict[str, float] = {}
@@ -370,7 +413,11 @@ class Trainer:
                 last = r
                 if first_loss is None:
                     first_loss = r.loss_t
-                logger.record(r.step, r.loss_t, r.grad_norm_t, r.lr, r.tokens, r.step_time_s, **self.extra_metrics())
+                summary.retries += r.attempts - 1
+                for retry in r.retries:
+                    logger.event(event="retry", step=r.step, **retry)
+                logger.record(r.step, r.loss_t, r.grad_norm_t, r.lr, r.tokens, r.step_time_s,
+                              **({"attempts": r.attempts} if r.attempts > 1 else {}), **self.extra_metrics())
                 if self.stop_on_nan and not r.finite:
                     summary.stopped_early = True
                     break
@@ -389,8 +436,17 @@ class Trainer:
                 if self.ckpt is not None and last_ckpt_step != self.step_idx:
                     summary.checkpoint = str(self.save_checkpoint())
                     logger.event(event="checkpoint", step=self.step_idx, path=summary.checkpoint)
+        except SuspectedHardwareFault as err:
+            summary.suspected_hardware = str(err)
+            logger.event(event="suspected_hardware", step=self.step_idx, message=str(err))
+            raise
         finally:
             logger.close()
+            self._finish_summary(summary, start, t0, first_loss, last, evaluation, logger, out_dir)
+        return summary
+
+    def _finish_summary(self, summary: RunSummary, start: int, t0: float, first_loss, last, evaluation, logger,
+                        out_dir: Path | None) -> None:
         summary.wall_s = time.perf_counter() - t0
         summary.end_step = self.step_idx
         summary.steps_run = self.step_idx - start
@@ -407,7 +463,6 @@ class Trainer:
         if out_dir and self.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "summary.json").write_text(json.dumps(_json_safe(summary.to_dict()), indent=1))
-        return summary
 
     def extra_metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -416,10 +471,16 @@ class Trainer:
         return out
 
     def close(self) -> None:
-        """Tear down the process group if this trainer created it."""
-        if self._owns_pg and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_pg = False
+        """Tear down the process groups this trainer's strategy created."""
+        self.strategy.close()
+
+
+def _rng_for_this_host(rng: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Drop saved CUDA RNG states that do not fit this host (a CPU resume of a GPU run, fewer GPUs)."""
+    rng = dict(rng)
+    if device.type != "cuda" or len(rng.get("cuda", [])) != torch.cuda.device_count():
+        rng.pop("cuda", None)
+    return rng
 
 
 def _json_safe(d: Any) -> Any:
@@ -432,25 +493,18 @@ def _json_safe(d: Any) -> Any:
     return d
 
 
-def run_pipeline(cfg) -> dict:
-    """Delegate a pipeline-parallel run (distributed.pp > 1) to trainguard.train.pipeline."""
-    from trainguard.train.pipeline import run_pipeline as _run
-
-    return _run(cfg)
-
-
-def run_training(cfg, progress: bool | None = None,
-                 setup: Callable[[Trainer], None] | None = None) -> RunSummary:
-    """Train from a RunConfig (the ``trainguard train`` entry point inside each process).
+def run_training(cfg, progress: bool | None = None, setup: Callable[[Trainer], None] | None = None) -> RunSummary:
+    """Train from a config (the ``trainguard train`` entry point inside each process).
 
     ``setup(trainer)`` runs once before the loop: the CLI uses it to switch on protections from the
     ``[sdc]`` section (techniques live above this layer, so the trainer does not import them)."""
-    if cfg.distributed.pp > 1:
-        return run_pipeline(cfg)
     trainer = Trainer(cfg, progress=progress)
-    if setup is not None:
-        setup(trainer)
     try:
+        if setup is not None:
+            setup(trainer)
         return trainer.run()
     finally:
         trainer.close()
+
+
+__all__ = ["RunSummary", "StepResult", "Trainer", "TrainguardError", "dist_env", "resolve_device", "run_training"]

@@ -38,7 +38,7 @@ def run(args) -> int:
 
     from trainguard.errors import TrainguardError
     from trainguard.faults import Fault, FaultModel, ModuleSite, OpSite, TensorSite, run_campaign
-    from trainguard.train.trial import TrainingTrial
+    from trainguard.faults.trial import TrainingTrial
 
     if args.trials < 1 or args.steps < 1:
         raise TrainguardError(f"--trials and --steps must be >= 1, got {args.trials} and {args.steps}")

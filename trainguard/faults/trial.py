@@ -13,6 +13,8 @@ import torch
 
 from trainguard.faults.campaign import TrialOutcome
 from trainguard.faults.injector import Fault, Injector
+from trainguard.train.config import TrainerConfig
+from trainguard.train.trainer import Trainer
 
 SMALL_RUN = ["--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "2", "--model.ffn_hidden", "64",
              "--data.seq_len", "32", "--data.batch_size", "4", "--data.max_bytes", "500000",
@@ -25,15 +27,11 @@ class TrainingTrial:
 
     def __init__(self, overrides: list[str] | None = None, steps: int = 3, seed: int = 0,
                  protector: Callable[[Any], Any] | None = None):
-        from trainguard.config import load_config
-
-        self.cfg = load_config(None, [*SMALL_RUN, *(overrides or []), "--train.steps", str(steps)])
+        self.cfg = TrainerConfig.load(None, [*SMALL_RUN, *(overrides or []), "--train.steps", str(steps)])
         self.steps, self.seed, self.protector = steps, seed, protector
         self._batches = None
 
-    def _trainer(self):
-        from trainguard.train import Trainer
-
+    def _trainer(self) -> Trainer:
         trainer = Trainer(self.cfg, batches=self._batches)
         self._batches = trainer.batches  # read the corpus once
         return trainer

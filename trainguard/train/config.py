@@ -1,0 +1,181 @@
+"""The trainer's own config sections and the tree they form (``TrainerConfig``).
+
+Each section is a plain dataclass with its help text and its own ``validate()``; ``TrainerConfig`` adds
+the checks that span sections (sequence length against the model, batch divisibility, ...). The run
+config of the ``trainguard`` command (``trainguard.config.RunConfig``) extends ``TrainerConfig`` with the
+sections of the techniques above the trainer (``[sdc]``). Loading and type checks are
+:mod:`trainguard.utils.settings`. Relies on the standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from trainguard.data.batches import DataConfig
+from trainguard.data.tokenizer import VOCAB_SIZE
+from trainguard.errors import ConfigError
+from trainguard.models.config import ModelConfig, ModelSection
+from trainguard.utils.settings import load_settings, setting, validate_children
+
+SELECTIVE_OPS = ("attention", "ffn", "feed_forward", "moe", "norm")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = setting(200, help="optimizer steps of the run (the schedule's length)")
+    lr: float = setting(3e-3, help="peak learning rate (AdamW)")
+    min_lr_ratio: float = setting(0.1, help="cosine decays to lr * min_lr_ratio")
+    warmup_ratio: float = setting(0.1, help="fraction of steps of linear warmup")
+    weight_decay: float = setting(0.1, help="AdamW weight decay (not applied to 1-D parameters)")
+    beta1: float = setting(0.9, help="AdamW beta1, in [0, 1)")
+    beta2: float = setting(0.95, help="AdamW beta2, in [0, 1)")
+    grad_clip: float = setting(1.0, help="global gradient-norm clip (0 disables clipping)")
+    grad_accum: int = setting(1, help="micro-batches per optimizer step on each rank")
+    dtype: Literal["fp32", "bf16"] = setting("fp32", help="fp32, or bf16 autocast (fp32 master weights)")
+    activation_checkpoint: Literal["none", "full", "selective"] = setting(
+        "none", help="activation checkpointing: none, full (every block) or selective")
+    selective_ops: list[str] = setting(default_factory=lambda: ["attention"],
+                                       help=f"module kinds for selective checkpointing ({', '.join(SELECTIVE_OPS)})")
+    eval_every: int = setting(50, help="steps between evaluations, and one at the end (0: never)")
+    eval_batches: int = setting(4, help="validation batches per evaluation")
+    log_every: int = setting(10, help="steps per metrics.jsonl flush and progress-bar update")
+    seed: int = setting(0, help="seed of model initialisation and data order")
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (CUDA when present), cpu or cuda")
+    host_memory: Literal["default", "retain"] = setting(
+        "default", help="retain: on CPU keep freed host memory in the process (no page faults every step)")
+    max_retries: int = setting(3, help="re-executions of one step that step guards may ask for before the run aborts")
+
+    def validate(self) -> TrainConfig:
+        _positive("train.steps", self.steps)
+        _positive("train.grad_accum", self.grad_accum)
+        _positive("train.eval_batches", self.eval_batches)
+        _positive("train.log_every", self.log_every)
+        _at_least("train.eval_every", self.eval_every, 0)
+        _at_least("train.max_retries", self.max_retries, 0)
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"train.lr must be a finite number > 0, got {self.lr}")
+        _within("train.min_lr_ratio", self.min_lr_ratio, 0, 1, closed=True)
+        _within("train.warmup_ratio", self.warmup_ratio, 0, 1)
+        _within("train.beta1", self.beta1, 0, 1)
+        _within("train.beta2", self.beta2, 0, 1)
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ConfigError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            raise ConfigError(f"train.grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        unknown = [o for o in self.selective_ops if o not in SELECTIVE_OPS]
+        if unknown or (self.activation_checkpoint == "selective" and not self.selective_ops):
+            raise ConfigError(f"train.selective_ops: unknown module kind(s) {', '.join(unknown) or '(none given)'} "
+                              f"(choose from {', '.join(SELECTIVE_OPS)})")
+        return self
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = setting("", help="checkpoint folder (empty: no checkpoints)")
+    every: int = setting(0, help="steps between checkpoints (0: only at the end of the run)")
+    keep: int = setting(2, help="newest checkpoints kept (older ones are pruned after a save)")
+    resume: bool = setting(False, help="continue from the newest checkpoint in dir")
+
+    def validate(self) -> CheckpointConfig:
+        _at_least("checkpoint.every", self.every, 0)
+        _positive("checkpoint.keep", self.keep)
+        if self.resume and not self.dir:
+            raise ConfigError("checkpoint.resume is true but checkpoint.dir is empty")
+        return self
+
+
+@dataclass
+class DistributedConfig:
+    strategy: Literal["auto", "single", "ddp", "pipeline", "elastic"] = setting(
+        "auto", help="parallel strategy: auto picks single, ddp (dp > 1) or pipeline (pp > 1) from the sizes")
+    dp: int = setting(1, help="data-parallel replicas")
+    pp: int = setting(1, help="pipeline stages")
+    microbatches: int = setting(0, help="pipeline micro-batches per step and grad_accum round (0: 2 * pp)")
+    backend: Literal["auto", "gloo", "nccl"] = setting("auto", help="auto (nccl on CUDA, gloo on CPU), gloo or nccl")
+
+    def validate(self) -> DistributedConfig:
+        _positive("distributed.dp", self.dp)
+        _positive("distributed.pp", self.pp)
+        _at_least("distributed.microbatches", self.microbatches, 0)
+        if self.strategy == "pipeline" and self.pp < 2:
+            raise ConfigError("distributed.strategy 'pipeline' needs distributed.pp >= 2")
+        if self.strategy in ("single", "ddp", "elastic") and self.pp > 1:
+            raise ConfigError(f"distributed.strategy {self.strategy!r} cannot run pp = {self.pp} stages (use pipeline)")
+        if self.strategy == "single" and self.dp > 1:
+            raise ConfigError(f"distributed.strategy 'single' cannot run dp = {self.dp} replicas")
+        return self
+
+    def resolved_strategy(self) -> str:
+        if self.strategy != "auto":
+            return self.strategy
+        return "pipeline" if self.pp > 1 else ("ddp" if self.dp > 1 else "single")
+
+    def pipeline_microbatches(self) -> int:
+        return self.microbatches or 2 * self.pp
+
+
+@dataclass
+class OutputConfig:
+    dir: str = setting("runs/latest", help="output folder: metrics.jsonl, summary.json")
+    metrics: bool = setting(True, help="write metrics.jsonl (one record per committed step)")
+    progress: bool = setting(True, help="progress bar on stderr")
+
+
+@dataclass
+class TrainerConfig:
+    """Every section the trainer reads."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def model_config(self) -> ModelConfig:
+        return self.model.build_config()
+
+    def validate(self):
+        validate_children(self)  # every section's own checks (also for configs built in code)
+        mc = self.model_config()
+        d, dist, t = self.data, self.distributed, self.train
+        if mc.vocab_size < VOCAB_SIZE:
+            raise ConfigError(f"model.vocab_size ({mc.vocab_size}) is smaller than the byte tokenizer's {VOCAB_SIZE} ids")
+        if d.seq_len > mc.max_seq_len:
+            raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model max_seq_len ({mc.max_seq_len})")
+        if dist.pp > mc.n_layers:
+            raise ConfigError(f"distributed.pp ({dist.pp}) exceeds the model's layers ({mc.n_layers})")
+        micro = dist.pipeline_microbatches() if dist.pp > 1 else 1
+        parts = dist.dp * t.grad_accum * micro
+        if d.batch_size % parts:
+            raise ConfigError(f"data.batch_size ({d.batch_size}) must be divisible by dp*grad_accum*microbatches ({parts})")
+        if dist.pp > 1 and micro < dist.pp:
+            raise ConfigError(f"distributed.microbatches ({micro}) must be >= distributed.pp ({dist.pp}) for 1F1B")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None):
+        """The config from a TOML file (optional) and ``--section.key value`` overrides, validated."""
+        return load_settings(cls, path, overrides)
+
+
+def _positive(name: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"{name} must be >= {low}, got {value}")
+
+
+def _within(name: str, value: float, low: float, high: float, closed: bool = False) -> None:
+    ok = low <= value <= high if closed else low <= value < high
+    if not ok:  # also false for NaN
+        raise ConfigError(f"{name} must be in [{low}, {high}{']' if closed else ')'}, got {value}")
