@@ -32,13 +32,14 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _copy(value: Any) -> Any:
+def copy_state(value: Any) -> Any:
+    """A deep copy of a state dict (tensors cloned)."""
     if torch.is_tensor(value):
         return value.detach().clone()
     if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
+        return {k: copy_state(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_copy(v) for v in value)
+        return type(value)(copy_state(v) for v in value)
     return copy.deepcopy(value)
 
 
@@ -70,7 +71,7 @@ class StateRegistry:
 
     def snapshot(self) -> dict[str, Any]:
         """A copy that later changes to the components do not reach."""
-        return {name: _copy(c.state_dict()) for name, c in self._items.items()}
+        return {name: copy_state(c.state_dict()) for name, c in self._items.items()}
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> list[str]:
         """Load what ``state`` holds; returns the registered names it did not hold (an error when strict)."""
@@ -79,7 +80,7 @@ class StateRegistry:
             raise TrainguardError(f"saved state lacks the registered component(s) {', '.join(missing)}")
         for name, c in self._items.items():
             if name in state:
-                c.load_state_dict(_copy(state[name]))
+                c.load_state_dict(copy_state(state[name]))
         return missing
 
 

@@ -57,7 +57,7 @@ from trainguard.train.optim import build_optimizer, build_scheduler
 from trainguard.train.parallel import Strategy, build_strategy, dist_env
 from trainguard.train.parallel.base import MicroBatch
 from trainguard.train.snapshot import StepSnapshot
-from trainguard.train.state import Stateful, StateRegistry, StepStart
+from trainguard.train.state import Stateful, StateRegistry, StepStart, copy_state
 
 
 @dataclass
@@ -333,14 +333,16 @@ class Trainer:
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything a replica needs to continue this run (torchft heals a returning replica with it)."""
+        """Everything a replica needs to continue this run (torchft heals a returning replica with it).
+        Tensors are the live ones (no copy): serialise or copy before training on."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "step": self.step_idx, "rng": snap_mod.rng_state(),
                 "components": self.state.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (copied: the optimizer would otherwise share the source's tensors)."""
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(copy_state(state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_idx = int(state["step"])
         if "rng" in state:
