@@ -17,7 +17,8 @@ Parallelism is a strategy the Trainer is built with (:mod:`trainguard.train.para
 DDP, pipeline (+ DP on a 2-D mesh), elastic torchft. Techniques plug in through public seams only:
 ``add_guard`` (:mod:`trainguard.train.guards`), ``register_state`` (:mod:`trainguard.train.state`),
 ``step_contexts`` (context managers around each attempt: the fault injector), ``callbacks``
-(``on_step_start(trainer, step)`` before every attempt, ``on_step_end(trainer, result)`` after the commit),
+(``on_step_start(trainer, step)`` before every attempt, ``on_stage(trainer, stage, step)`` after the ``plan``,
+``forward_backward`` and ``update`` stages, ``on_step_end(trainer, result)`` after the commit),
 ``metric_sources`` (counters merged into every metrics record), activation-checkpoint contexts
 (:func:`trainguard.train.activation_checkpoint.add_checkpoint_context`) and the model's kernel slots and
 product hooks (:mod:`trainguard.models`).
@@ -246,8 +247,10 @@ class Trainer:
                     stack.enter_context(make(step))
                 self.optimizer.zero_grad(set_to_none=True)
                 plan = self.strategy.plan(self, step)
+                self._stage("plan", step)
                 loss = self.strategy.forward_backward(self, plan)
                 ctx.loss = loss
+                self._stage("forward_backward", step)
                 verdicts = self._guard("before_update", ctx) if guarded else []
                 committed = not verdicts and self.strategy.should_commit(self)
                 if committed:
@@ -256,6 +259,7 @@ class Trainer:
                     grad_norm = self.strategy.grad_norm(self, self.cfg.train.grad_clip)
                     self.optimizer.step()
                     self.scheduler.step()
+                    self._stage("update", step)
                     if inspects_update:
                         verdicts = self._guard("after_update", ctx)
             if committed and not verdicts:
@@ -294,6 +298,14 @@ class Trainer:
             if fn is not None:
                 fn(self, result)
         return result
+
+    def _stage(self, stage: str, step: int) -> None:
+        """Tell callbacks with ``on_stage(trainer, stage, step)`` that a stage finished (fail-stop injection
+        kills a worker here: after ``plan``, ``forward_backward`` or ``update``)."""
+        for cb in self.callbacks:
+            fn = getattr(cb, "on_stage", None)
+            if fn is not None:
+                fn(self, stage, step)
 
     def _guard(self, stage: str, ctx: StepContext) -> list[Verdict]:
         """Every guard's look at ``stage``, reduced over all ranks: the non-commit verdicts of every rank."""
