@@ -28,11 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from trainguard.errors import CheckpointError
 
-FORMAT = "trainguard-dcp-1"
+FORMAT = "trainguard-dcp-2"
+# Optimizer state flattened to one key per parameter name (TorchTitan's choice): pipeline stages hold
+# different parameters, and an unflattened ``param_groups`` list would be one key that every stage writes.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.pt"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -196,7 +199,7 @@ class CheckpointManager:
     @staticmethod
     def _state(model, optimizer) -> dict[str, Any]:
         if optimizer is not None and optimizer.state:
-            msd, osd = get_state_dict(model, optimizer)
+            msd, osd = get_state_dict(model, optimizer, options=_OPTIONS)
             return {"model": msd, "optim": osd}
         # A fresh optimizer has no state; get_state_dict would initialise it (changing the run).
         return {"model": model.state_dict()}
@@ -243,7 +246,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None) -> 
     ctx = _quiet()
     try:
         if has_optim:
-            msd, osd = get_state_dict(model, optimizer)
+            msd, osd = get_state_dict(model, optimizer, options=_OPTIONS)
             state = {"model": msd, "optim": osd}
         else:
             state = {"model": model.state_dict()}
@@ -253,7 +256,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None) -> 
             msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: {msg}") from None
         if has_optim:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
         else:
             model.load_state_dict(state["model"])
             if optimizer is not None:

@@ -385,7 +385,9 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         if self.ckpt is None:
             raise ConfigError("checkpoint.dir is not set")
-        state = {"step": self.step_idx, "rng": snap_mod.rng_state(), "world": self.world,
+        rng = snap_mod.rng_state()
+        by_rank = self.strategy.gather_object(rng)  # every rank's RNG (a collective on every rank)
+        state = {"step": self.step_idx, "rng": rng, "rng_by_rank": by_rank, "world": self.world,
                  "strategy": self.strategy.name, "components": self.state.state_dict()}
         return self.ckpt.save(self.step_idx, self.model, self.optimizer, self.scheduler, self.cfg.to_dict(), state)
 
@@ -395,8 +397,10 @@ class Trainer:
         manifest = mgr.load(path, self.model, self.optimizer, self.scheduler)
         state = manifest["trainer_state"]
         self.step_idx = int(state.get("step", manifest["step"]))
-        if "rng" in state:
-            snap_mod.set_rng_state(_rng_for_this_host(state["rng"], self.device))
+        by_rank = state.get("rng_by_rank") or []
+        rng = by_rank[self.rank] if len(by_rank) == self.world else state.get("rng")
+        if rng is not None:
+            snap_mod.set_rng_state(_rng_for_this_host(rng, self.device))
         self.state.load_state_dict(state.get("components", {}), strict=False)
         self.resumed_from = manifest["path"]
         return manifest

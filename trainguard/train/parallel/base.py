@@ -170,6 +170,10 @@ class Strategy:
                 losses.append(trainer.eval_loss(xs, ys))
         return float(torch.stack(losses).mean()) if losses else float("nan")
 
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on the main rank (None elsewhere): per-rank state for a checkpoint."""
+        return [obj]
+
     def writes_checkpoints(self) -> bool:
         """Whether this rank takes part in a checkpoint save (all ranks of a DCP group do)."""
         return True
@@ -182,6 +186,12 @@ class Strategy:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False
+
+
+def gather_to_main(obj: Any, rank: int, world: int, group=None) -> list[Any] | None:
+    out: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(obj, out, dst=0, group=group)
+    return out
 
 
 def reduce_verdicts_over(group, rank: int, world: int, local: Verdict, device: torch.device) -> list[Verdict]:

@@ -10,14 +10,14 @@ default group. Relies on torch.distributed and ``torch.nn.parallel.DistributedDa
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from trainguard.train.guards import Verdict
-from trainguard.train.parallel.base import Strategy, init_default_group, reduce_verdicts_over
+from trainguard.train.parallel.base import Strategy, gather_to_main, init_default_group, reduce_verdicts_over
 
 if TYPE_CHECKING:
     from trainguard.train.trainer import Trainer
@@ -57,6 +57,9 @@ class DDPStrategy(Strategy):
         mean = loss.clone()
         dist.all_reduce(mean)
         return mean / self.world
+
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        return gather_to_main(obj, self.rank, self.world) if self.world > 1 else [obj]
 
     def reduce_verdicts(self, trainer: Trainer, local: Verdict) -> list[Verdict]:
         if self.world == 1:

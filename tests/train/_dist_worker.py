@@ -1,0 +1,77 @@
+"""Run by torchrun in the multi-process trainer tests: train one config and save this rank's result.
+
+    python -m torch.distributed.run --nproc_per_node=N _dist_worker.py OUT MODE [--section.key value ...]
+
+MODE is ``clean``, ``stop:K`` (train K steps, then stop: the checkpoint at K is written),
+``retry:R:K:before`` (rank R asks for a retry of step K after a NaN was injected into one of its backward
+products: the guard acts before the update) or ``retry:R:K:after`` (a NaN in rank R's gradient after the
+gradient sync, seen by a guard after the update), or ``abft:L`` (ABFT on, one NaN in layer L's scores at
+step 1). Each rank writes ``OUT/rank{r}.pt``: parameters and optimizer state, per-step losses and
+attempts, the run summary and ABFT counters.
+"""
+
+import sys
+
+import torch
+
+from trainguard.config import load_config
+from trainguard.faults import Fault, FaultModel, Injector, OpSite, ProductSite, TensorSite
+from trainguard.sdc.runtime import attach_from_config
+from trainguard.train import StepGuard, Trainer, Verdict
+
+out, mode, *overrides = sys.argv[1:]
+torch.set_num_threads(1)
+cfg = load_config(None, overrides)
+trainer = Trainer(cfg)
+handles = attach_from_config(trainer)
+steps: list[dict] = []
+
+
+class Log:
+    def on_step_end(self, t, r):
+        steps.append({"step": r.step, "loss": r.loss, "attempts": r.attempts})
+
+
+class RetryOnRank(StepGuard):
+    """Registered on every rank; only rank R at step K, first attempt, sees its fault and asks to retry."""
+
+    name = "retry-on-rank"
+
+    def __init__(self, rank, step, after):
+        self.rank, self.step, self.inspects_update = rank, step, after
+
+    def _look(self, ctx, tensors):
+        bad = ctx.trainer.rank == self.rank and any(not torch.isfinite(x).all() for x in tensors)
+        return Verdict.retry(site="nan", reason="non-finite") if bad else Verdict.commit()
+
+    def before_update(self, ctx):
+        if self.inspects_update:
+            return Verdict.commit()
+        return self._look(ctx, [p.grad for p in ctx.trainer.model.parameters() if p.grad is not None])
+
+    def after_update(self, ctx):
+        return self._look(ctx, list(ctx.trainer.model.parameters()))
+
+
+trainer.callbacks.append(Log())
+n_steps = None
+if mode.startswith("stop:"):
+    n_steps = int(mode.split(":")[1])
+elif mode.startswith("retry:"):
+    _, rank, step, when = mode.split(":")
+    rank, step = int(rank), int(step)
+    trainer.add_guard(RetryOnRank(rank, step, when == "after"))
+    if trainer.rank == rank:
+        site = OpSite("aten.mm*", "backward", 0) if when == "before" else TensorSite("grad", "*")
+        Injector(Fault(site, FaultModel("nan"), step=step, index=0)).attach(trainer)
+elif mode.startswith("abft:"):
+    layer = int(mode.split(":")[1])
+    # (row 1, column 1) of the first head's scores: kept by the causal mask
+    fault = Fault(ProductSite("scores", layer=layer), FaultModel("nan"), step=1, index=cfg.data.seq_len + 1)
+    injector = Injector(fault).attach(trainer)
+summary = trainer.run(n_steps)
+trainer.close()
+abft = handles["abft"].total() if "abft" in handles else {}
+fired = bool(mode.startswith("abft:") and injector.records)
+torch.save({"state": trainer.state_dict_for_compare(), "steps": steps, "summary": summary.to_dict(), "abft": abft,
+            "fired": fired, "rank": trainer.rank}, f"{out}/rank{trainer.rank}.pt")
