@@ -8,7 +8,16 @@
 
 from trainguard.faults.bits import FaultModel, flip_bit, layout
 from trainguard.faults.campaign import CampaignSummary, TrialOutcome, classify, run_campaign
-from trainguard.faults.injector import Fault, InjectionRecord, Injector, ModuleSite, OpSite, ProductSite, TensorSite
+from trainguard.faults.injector import (
+    Fault,
+    InjectionRecord,
+    Injector,
+    ModuleSite,
+    OpSite,
+    ProductSite,
+    TensorSite,
+    checker_execution,
+)
 from trainguard.faults.schedules import PRESETS_MTBF_HOURS, FailureSchedule, kill_due
 
 __all__ = [
@@ -24,6 +33,7 @@ __all__ = [
     "ProductSite",
     "TensorSite",
     "TrialOutcome",
+    "checker_execution",
     "classify",
     "flip_bit",
     "kill_due",

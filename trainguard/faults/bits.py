@@ -70,6 +70,12 @@ def _max_exponent(tensor: torch.Tensor, flat_index: int) -> None:
     view[flat_index] = (view[flat_index] & ~field) | largest
 
 
+def _element(tensor: torch.Tensor, flat_index: int) -> torch.Tensor:
+    """A one-element view of ``tensor`` at row-major position ``flat_index`` (any strides)."""
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index), tensor.shape))
+    return tensor.detach()[idx].view(1)
+
+
 @dataclass
 class FaultModel:
     """What to do to one element. ``kind``: bitflip | inf | -inf | nan | near-inf | value.
@@ -96,6 +102,8 @@ class FaultModel:
         n = tensor.numel()
         if not 0 <= flat_index < n:
             raise TrainguardError(f"element index {flat_index} out of range for a tensor of {n} elements")
+        if not tensor.is_contiguous():  # (a transposed op output): work on the one element, in place
+            return self.apply(_element(tensor, flat_index), 0, generator)
         flat = tensor.detach().view(-1)
         old = float(flat[flat_index])
         bit = None

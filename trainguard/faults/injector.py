@@ -20,6 +20,14 @@ loss; ``recompute`` is set by the recompute context that ``checkpoint_context_fn
 ``torch.utils.checkpoint`` (non-reentrant checkpointing replays the forward inside backward);
 ``optimizer`` is set by the optimizer's step pre/post hooks; anything else in the step is ``forward``.
 
+Checker executions of a redundancy scheme (DMR runs every op twice) are not ops of the step: inside
+``with checker_execution():`` the injector neither counts nor corrupts. ``attach`` puts the injector's
+mode *outermost* among the trainer's step contexts, so a verifier's mode entered later sits inside it:
+the verifier's primary execution passes through the injector (and may be corrupted, as real hardware
+would corrupt it) before the verifier compares it with its checker execution.
+
+For an in-place op (the fused AdamW update, ``add_``) the fault goes into one of the tensors it writes.
+
 Use with a Trainer: ``injector.attach(trainer)``; in a custom loop: ``injector.attach_model(model,
 optimizer)`` then ``with injector.step_context(step): ...`` around forward, backward and step.
 Relies on torch (``TorchDispatchMode``, module and optimizer hooks).
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -93,6 +102,7 @@ class Fault:
     model: FaultModel = field(default_factory=FaultModel)
     step: int = 0  # the step in which to inject (each fault fires once)
     index: int | None = None  # flat element index; None: drawn from the injector's seeded generator
+    persistent: bool = False  # a stuck unit: fires again on every re-execution of its step (same index)
 
 
 @dataclass
@@ -116,6 +126,34 @@ class InjectionRecord:
         return d
 
 
+_CHECKER = threading.local()
+
+
+@contextlib.contextmanager
+def checker_execution() -> Iterator[None]:
+    """Ops run inside are a verifier's second execution: the injector neither counts nor corrupts them."""
+    before = getattr(_CHECKER, "active", False)
+    _CHECKER.active = True
+    try:
+        yield
+    finally:
+        _CHECKER.active = before
+
+
+def _written_tensor(func, args, kwargs, generator: torch.Generator) -> torch.Tensor | None:
+    """One floating-point tensor an in-place op writes (drawn with ``generator`` when it writes several)."""
+    written: list[torch.Tensor] = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = kwargs.get(a.name, args[i] if i < len(args) else None)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        written += [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    if not written:
+        return None
+    return written[int(torch.randint(len(written), (1,), generator=generator))]
+
+
 class _OpMode(TorchDispatchMode):
     def __init__(self, injector: Injector):
         super().__init__()
@@ -123,7 +161,7 @@ class _OpMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.injector._on_op(func, out)
+        self.injector._on_op(func, out, args, kwargs)
         return out
 
 
@@ -143,11 +181,13 @@ class Injector:
         self._optimizer: torch.optim.Optimizer | None = None
         self._handles: list[Callable[[], Any]] = []  # removers
         self._injecting = False  # our own writes are not ops of the step
+        self._fired_attempt: set[int] = set()
+        self._stuck: dict[int, int] = {}
 
     # ---- wiring -------------------------------------------------------------------------------------
     def attach(self, trainer) -> Injector:
         self.attach_model(trainer.model, trainer.optimizer)
-        trainer.step_contexts.append(self.step_context)
+        trainer.step_contexts.insert(0, self.step_context)  # outermost: faults happen below any verifier
         return self
 
     def attach_model(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Injector:
@@ -179,7 +219,7 @@ class Injector:
     @contextlib.contextmanager
     def step_context(self, step: int) -> Iterator[None]:
         """Active around forward + backward + optimizer step of ``step``."""
-        self.step, self._counts = step, {}
+        self.step, self._counts, self._fired_attempt = step, {}, set()
         self._fire_tensor_sites("param")
         with _OpMode(self):
             yield
@@ -229,21 +269,33 @@ class Injector:
 
     # ---- firing ---------------------------------------------------------------------------------------
     def _due(self, i: int, f: Fault) -> bool:
-        return i not in self.fired and self.step is not None and f.step == self.step
+        if self.step is None or f.step != self.step:
+            return False
+        return i not in (self._fired_attempt if f.persistent else self.fired)
 
     def _corrupt(self, i: int, f: Fault, tensor: torch.Tensor, site: str, target: str, phase: str, occ: int) -> None:
-        index = f.index if f.index is not None else random_index(tensor, self.generator)
+        index = f.index if f.index is not None else self._stuck.get(i)
+        if index is None or index >= tensor.numel():
+            index = random_index(tensor, self.generator)
         self._injecting = True
         try:
             old, new, bit = f.model.apply(tensor, index, self.generator)
         finally:
             self._injecting = False
         self.fired.add(i)
+        self._fired_attempt.add(i)
+        if f.persistent:  # the same element every time, as a stuck unit would
+            self._stuck[i] = index
         self.records.append(InjectionRecord(self.step, site, target, phase, occ, index, str(tensor.dtype).replace("torch.", ""),
                                             old, new, bit, f.model.kind))
 
-    def _on_op(self, func, out) -> None:
-        if self.step is None or self._injecting or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+    def _on_op(self, func, out, args=(), kwargs=None) -> None:
+        if self.step is None or self._injecting or getattr(_CHECKER, "active", False):
+            return
+        if not isinstance(out, torch.Tensor):
+            out = _written_tensor(func, args, kwargs or {}, self.generator) if out is None or isinstance(out, (list, tuple)) \
+                else None
+        if out is None or not out.is_floating_point():
             return
         name = str(func)  # e.g. "aten.mm.default"
         phase = None

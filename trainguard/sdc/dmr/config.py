@@ -1,0 +1,45 @@
+"""``[sdc.dmr]``: dual modular redundancy for every op of the iteration (``trainguard.sdc.dmr``).
+
+Relies on the standard library only (the section is loaded by ``trainguard.utils.settings``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from trainguard.errors import ConfigError
+from trainguard.utils.settings import setting
+
+
+@dataclass
+class DMRConfig:
+    enabled: bool = setting(False, help="verify every op of every iteration by running it twice ([sdc] dmr = true)")
+    system: Literal["sparetrain", "naive", "none"] = setting(
+        "sparetrain", help="sparetrain (planned: P-DMR, AGC, deferred, naive), naive (every op re-executed at once), "
+        "none (no checks: the No-DMR baseline with the same hooks)")
+    phases: tuple[int, ...] = setting((1, 2, 3), help="planner phases (ablation): 1, 1,2 or 1,2,3")
+    compare: Literal["bitwise", "tolerance"] = setting(
+        "bitwise", help="bitwise where kernels are deterministic (CPU); tolerance: per-op bounds from a clean-run "
+        "determinism report")
+    fingerprints: bool = setting(True, help="compare compact fingerprints for deferred and piggyback checks (less memory)")
+    memory_budget_mb: float = setting(0.0, help="memory the deferred checks may hold (0: 25% of the measured peak)")
+    optimizer_chunk_mb: float = setting(64.0, help="the optimizer update is verified in chunks of this many MB of state")
+    plan: str = setting("", help="a DMR plan JSON (trainguard plan dmr --out); empty: profile and plan at the start")
+    profile_steps: int = setting(1, help="steps profiled before planning (they run with naive DMR)")
+    determinism_report: str = setting("", help="tolerance mode: a determinism report JSON (from a clean run)")
+    tolerance_safety: float = setting(8.0, help="tolerance = this x the largest clean-run gap of the op")
+    coverage: bool = setting(False, help="keep the per-op coverage report of the last step (memory grows with ops)")
+
+    def validate(self) -> DMRConfig:
+        if not self.phases or any(p not in (1, 2, 3) for p in self.phases) or list(self.phases) != sorted(set(self.phases)):
+            raise ConfigError(f"sdc.dmr.phases must be 1, 1,2 or 1,2,3; got {list(self.phases)}")
+        if self.phases[0] != 1 or (3 in self.phases and 2 not in self.phases):
+            raise ConfigError(f"sdc.dmr.phases builds up from phase 1 (1; 1,2; 1,2,3); got {list(self.phases)}")
+        if self.memory_budget_mb < 0 or self.optimizer_chunk_mb <= 0:
+            raise ConfigError("sdc.dmr.memory_budget_mb must be >= 0 and sdc.dmr.optimizer_chunk_mb > 0")
+        if self.profile_steps < 1:
+            raise ConfigError(f"sdc.dmr.profile_steps must be >= 1, got {self.profile_steps}")
+        if not self.tolerance_safety >= 1:
+            raise ConfigError(f"sdc.dmr.tolerance_safety must be >= 1, got {self.tolerance_safety}")
+        return self

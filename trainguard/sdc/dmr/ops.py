@@ -1,0 +1,162 @@
+"""What DMR does with one ATen op: classify it, run it a second time, and compare the two executions.
+
+Classes (:func:`classify`):
+
+* ``view`` — aliasing ops (``view``, ``t``, ``detach``, ``expand`` ...): no arithmetic, never re-executed;
+* ``comm`` — collectives and point-to-point transfers (``c10d``, ``_c10d_functional``): never re-executed
+  (a second all-reduce would be a different collective, and the peers would wait for it);
+* ``alloc`` — ``empty*`` (uninitialised memory: two executions legitimately differ) and profiler markers;
+* ``compute`` — everything else, in-place ops included. Ops tagged ``nondeterministic_seeded`` (random
+  ops, SDPA with dropout) are re-executed with the generator state replayed.
+
+Comparison is **bitwise** (the integer views of the outputs are equal; NaN equals the same NaN) where
+execution is deterministic, as on CPU, or within a **calibrated tolerance** per op name (see
+``determinism.py``). A :class:`Fingerprint` is a compact summary of an output that still sees every single
+bit flip (the sum of the integer view changes by a power of two) and most multiple flips (a second,
+strided sum); deferred and piggyback checks compare fingerprints so the full output need not be kept.
+Relies on torch only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+_VIEW_LIKE = ("aten._unsafe_view", "aten.alias", "aten.lift_fresh")
+
+
+def classify(func) -> str:
+    name = str(func)
+    if name.startswith(("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")):
+        return "comm"
+    if name.startswith("profiler.") or ".empty" in name or name.startswith(("aten.empty", "aten.new_empty")):
+        return "alloc"
+    if getattr(func, "is_view", False) or name.startswith(_VIEW_LIKE) or name in ("aten.detach.default",):
+        return "view"
+    if name.startswith("aten.set_") or name.startswith("aten.resize_"):
+        return "view"
+    return "compute"
+
+
+def is_random(func) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+
+
+def written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an in-place / out= op writes (its mutable arguments), flattened."""
+    out: list[torch.Tensor] = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = kwargs.get(a.name, args[i] if i < len(args) else None)
+        out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return out
+
+
+def mutates(func) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
+def flat(value: Any) -> list[Any]:
+    return tree_flatten(value)[0]
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.dtype == torch.bool:
+        return t.to(torch.int8)
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.view(_INT_VIEW[t.element_size()]) if t.is_floating_point() else t
+
+
+def bitwise_equal(a: Any, b: Any) -> bool:
+    """Outputs of two executions are bitwise identical (pytrees of tensors; non-tensors compared with ==)."""
+    fa, spec_a = tree_flatten(a)
+    fb, spec_b = tree_flatten(b)
+    if spec_a != spec_b or len(fa) != len(fb):
+        return False
+    for x, y in zip(fa, fb):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(int_view(x), int_view(y)):
+                return False
+        elif x != y and not (x != x and y != y):  # NaN scalars are equal here
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """A few numbers per output tensor: exact integer sums (bitwise mode) and float sums (tolerance mode)."""
+
+    shapes: tuple
+    isum: tuple  # sum of the integer view, per tensor
+    istride: tuple  # sum over every 7th element of the integer view, per tensor
+    fsum: tuple  # float64 sum, per tensor (tolerance mode)
+    fabs: tuple  # float64 sum of |x|, per tensor (the scale of the tolerance)
+
+    @classmethod
+    def of(cls, value: Any, floats: bool = False) -> Fingerprint:
+        """``floats``: also the float sums a tolerance comparison needs (one more pass in float64)."""
+        shapes, isum, istride, fsum, fabs = [], [], [], [], []
+        for t in tensors(value):
+            v = int_view(t).reshape(-1)
+            shapes.append((tuple(t.shape), str(t.dtype)))
+            isum.append(int(v.sum(dtype=torch.int64)))
+            istride.append(int(v[::7].sum(dtype=torch.int64)))
+            if not floats:
+                continue
+            if t.is_floating_point():
+                d = t.detach().double()
+                fsum.append(float(d.sum()))
+                fabs.append(float(d.abs().sum()))
+            else:
+                fsum.append(float(isum[-1]))
+                fabs.append(float(abs(isum[-1])))
+        return cls(tuple(shapes), tuple(isum), tuple(istride), tuple(fsum), tuple(fabs))
+
+    def matches(self, other: Fingerprint, rtol: float = 0.0) -> bool:
+        if self.shapes != other.shapes:
+            return False
+        if rtol <= 0 or not self.fsum:
+            return self.isum == other.isum and self.istride == other.istride
+        for a, b, scale in zip(self.fsum, other.fsum, self.fabs):
+            if a != a or b != b:  # NaN: only NaN-free executions can agree within a tolerance
+                return False
+            if abs(a - b) > rtol * max(scale, 1e-30):
+                return False
+        return True
+
+    def nbytes(self) -> int:
+        return 40 * len(self.shapes)
+
+
+def relative_gap(a: Any, b: Any) -> float:
+    """Largest |a - b| / sum|a| over the tensors of two executions (the determinism report's measure)."""
+    gap = 0.0
+    for x, y in zip(tensors(a), tensors(b)):
+        if not x.is_floating_point():
+            if not torch.equal(x, y):
+                return float("inf")
+            continue
+        dx, dy = x.detach().double(), y.detach().double()
+        scale = float(dx.abs().sum()) or 1e-30
+        gap = max(gap, float((dx - dy).abs().sum()) / scale)
+    return gap
+
+
+def clone_args(value: Any) -> Any:
+    """Tensors cloned (same strides), everything else as is."""
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
