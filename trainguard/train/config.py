@@ -95,11 +95,15 @@ class DistributedConfig:
     pp: int = setting(1, help="pipeline stages")
     microbatches: int = setting(0, help="pipeline micro-batches per step and grad_accum round (0: 2 * pp)")
     backend: Literal["auto", "gloo", "nccl"] = setting("auto", help="auto (nccl on CUDA, gloo on CPU), gloo or nccl")
+    emulate_link_delay_ms: float = setting(
+        0.0, help="experiments only: every pipeline transfer lands this long after it is issued (a slow link)")
 
     def validate(self) -> DistributedConfig:
         _positive("distributed.dp", self.dp)
         _positive("distributed.pp", self.pp)
         _at_least("distributed.microbatches", self.microbatches, 0)
+        if not self.emulate_link_delay_ms >= 0:
+            raise ConfigError(f"distributed.emulate_link_delay_ms must be >= 0, got {self.emulate_link_delay_ms}")
         if self.strategy == "pipeline" and self.pp < 2:
             raise ConfigError("distributed.strategy 'pipeline' needs distributed.pp >= 2")
         if self.strategy in ("single", "ddp", "elastic") and self.pp > 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +87,20 @@ class Strategy:
     def __init__(self) -> None:
         self.rank, self.world = 0, 1
         self.owns_group = False
+        self.window_hooks: list[Callable[[str, Callable[[], Any]], Any]] = []
+
+    def add_window_hook(self, hook: Callable[[str, Callable[[], Any]], Any]) -> Callable[[], None]:
+        """``hook(kind, wait)`` is called for every wait on communication the strategy can expose (pipeline
+        transfers: ``pp``; expert all-to-all: ``ep``); it must call ``wait()`` and may work meanwhile."""
+        self.window_hooks.append(hook)
+        return lambda: self.window_hooks.remove(hook) if hook in self.window_hooks else None
+
+    def run_window(self, kind: str, wait: Callable[[], Any]) -> Any:
+        """Wait on communication through every window hook (nested, in registration order)."""
+        call = wait
+        for hook in reversed(self.window_hooks):
+            call = (lambda h, inner: (lambda: h(kind, inner)))(hook, call)
+        return call()
 
     # ---- set-up ---------------------------------------------------------------------------------
     def init(self, trainer: Trainer) -> None:
