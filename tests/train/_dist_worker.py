@@ -73,6 +73,11 @@ elif mode.startswith("retry:"):
     if trainer.rank == rank:
         site = OpSite("aten.mm*", "backward", 0) if when == "before" else TensorSite("grad", "*")
         Injector(Fault(site, FaultModel("nan"), step=step, index=0)).attach(trainer)
+elif mode.startswith("dmr:"):  # dmr:R:K:PHASE: a bit flip in rank R's PHASE ops at step K, DMR on
+    _, rank, step, phase = mode.split(":")
+    if trainer.rank == int(rank):
+        site = OpSite("aten.[!dtv_]*", phase, 5)
+        injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
 elif mode.startswith("abft:"):
     layer = int(mode.split(":")[1])
     # (row 1, column 1) of the first head's scores: kept by the causal mask
@@ -81,8 +86,11 @@ elif mode.startswith("abft:"):
 summary = trainer.run(n_steps)
 trainer.close()
 abft = handles["abft"].total() if "abft" in handles else {}
-fired = bool(mode.startswith("abft:") and injector.records)
+fired = bool(mode.startswith(("abft:", "dmr:")) and "injector" in globals() and injector.records)
+dmr = handles.get("dmr")
 sched = getattr(trainer.strategy, "schedule", None)
 torch.save({"state": trainer.state_dict_for_compare(), "steps": steps, "summary": summary.to_dict(), "abft": abft,
-            "fired": fired, "rank": trainer.rank, "waits": waits, "wait_s": getattr(sched, "wait_s", 0.0)},
+            "fired": fired, "rank": trainer.rank, "waits": waits,
+            "dmr": dict(dmr.totals) if dmr else {}, "dmr_coverage": dmr.coverage_report()["coverage"] if dmr else None,
+            "dmr_counts": dict(dmr.counts) if dmr else {}, "wait_s": getattr(sched, "wait_s", 0.0)},
            f"{out}/rank{trainer.rank}.pt")

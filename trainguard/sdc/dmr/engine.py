@@ -113,6 +113,7 @@ class DMREngine:
         self._lock = threading.Lock()
         self.step = 0
         self._param_storages: set[int] = set()
+        self.deferrable = False
 
     # ---- wiring ----------------------------------------------------------------------------------
     def attach(self, trainer) -> DMREngine:
@@ -129,6 +130,8 @@ class DMREngine:
         self._handles.append(opt.register_step_pre_hook(lambda *a: self._set_optimizer(True)).remove)
         self._handles.append(opt.register_step_post_hook(lambda *a: self._set_optimizer(False)).remove)
         trainer.step_contexts.append(self.step_context)  # after the injector's (it inserts itself first)
+        self._handles.append(trainer.strategy.add_window_hook(self.window))
+        self.deferrable = trainer.strategy.name == "pipeline"  # a strategy with idle windows to defer into
         self._handles.append(trainer.add_guard(DMRGuard(self)))
         trainer.metric_sources.append(self.metrics)
         return self
@@ -150,6 +153,8 @@ class DMREngine:
         self.mismatches = []
         self.coverage = []
         self._ids: Counter = Counter()
+        self._windows: Counter = Counter()
+        self.window_log: list[tuple[str, float]] = []
         self._const: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> tensor
 
     @contextlib.contextmanager
@@ -212,6 +217,10 @@ class DMREngine:
             a = self.plan.assignment(op_id)
             if a is not None and a.strategy in ("d-inter", "d-intra"):
                 return a.strategy, a.window
+            if a is not None:
+                return "naive", None
+        if self.deferrable and phase in ("forward", "backward"):
+            return "d-inter", None  # no plan: the dynamic queue, checked in whatever window comes next
         return "naive", None
 
     # ---- execution -------------------------------------------------------------------------------
@@ -349,23 +358,23 @@ class DMREngine:
     # ---- deferred checks (D-DMR) -----------------------------------------------------------------
     def _defer(self, op_id, phase, strategy, window, func, args, kwargs) -> Any:
         written = dops.written_args(func, args, kwargs)
+        if written or dops.is_random(func) or "generator" in [a.name for a in func._schema.arguments]:
+            # in-place and random ops are checked at once (their inputs or generator change right after)
+            self.counts["naive-fallback"] += 1
+            return self._naive(op_id, phase, func, args, kwargs)
         # inputs may change before the window (in-place updates): clone them, except parameters, which only
         # the optimizer changes, after every deferred check has run
         keep = tree_map(lambda t: t if not isinstance(t, torch.Tensor) or self._is_param(t) else t.clone(), (args, kwargs))
         nbytes = sum(t.numel() * t.element_size() for t in dops.tensors(keep) if not self._is_param(t))
-        if written or (self.budget_bytes and self.queued_bytes + nbytes > self.budget_bytes):
+        if self.budget_bytes and self.queued_bytes + nbytes > self.budget_bytes:
             self.counts["naive-fallback"] += 1
             return self._naive(op_id, phase, func, args, kwargs)
-        rng = torch.get_rng_state() if dops.is_random(func) else None
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
         est = time.perf_counter() - t0
 
-        def run(keep=keep, rng=rng):
+        def run(keep=keep):
             a, k = keep
-            if rng is not None:
-                gen = torch.Generator().set_state(rng)  # a private generator: the main thread's RNG is not shared
-                return _with_generator(func, a, k, gen)
             return func(*a, **k)
 
         self.queue.append(Deferred(op_id, str(func), phase, strategy, window, run, self._fp(out), nbytes, est))
@@ -378,42 +387,59 @@ class DMREngine:
         except RuntimeError:
             return False
 
-    def window(self, kind: str, wait: Callable[[], Any], window_id: str | None = None) -> Any:
+    def window(self, kind: str, wait: Callable[[], Any]) -> Any:
         """Run queued checkers while ``wait()`` blocks on communication; returns what ``wait`` returns.
 
-        On CPU the checkers run on a worker thread (the waiting thread holds no core); on CUDA on a side
-        stream. Checkers whose planned window is another one stay queued."""
-        todo = [d for d in self.queue if d.window is None or window_id is None or d.window == window_id]
+        The n-th wait of a kind in an attempt is window ``kind:n`` (the ids of the profile and the plan).
+        Checkers planned for this window all run; unplanned ones (the dynamic queue) run one by one until
+        the communication completes, and the rest stay queued. On CPU they run on a worker thread (the
+        waiting thread holds no core); on CUDA they would run on a side stream."""
+        wid = f"{kind}:{self._windows[kind]}"
+        self._windows[kind] += 1
+        todo = [d for d in self.queue if d.window == wid] + [d for d in self.queue if d.window is None]
         if not todo:
             return wait()
-        self.queue = [d for d in self.queue if d not in todo]
-        worker = threading.Thread(target=self._run_checkers, args=(todo, kind), daemon=True)
+        closed = threading.Event()
+        ran: list[Deferred] = []
+
+        def work() -> None:
+            with checker_execution():
+                for d in todo:
+                    if closed.is_set() and d.window != wid:
+                        break
+                    self._check(d, kind)
+                    ran.append(d)
+
+        worker = threading.Thread(target=work, daemon=True)
+        t0 = time.perf_counter()
         worker.start()
         try:
             return wait()
         finally:
+            self.window_log.append((wid, time.perf_counter() - t0))
+            closed.set()
             worker.join()
+            done = {id(d) for d in ran}
+            self.queue = [d for d in self.queue if id(d) not in done]
 
-    def _run_checkers(self, todo: list[Deferred], where: str) -> None:
-        torch.set_num_threads(1)
-        with checker_execution():
-            for d in todo:
-                try:
-                    got = self._fp(d.run())
-                except Exception as err:  # a checker that cannot run is a detection, not a crash of the step
-                    self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"checker failed: {err}")
-                    continue
-                if not d.expect.matches(got, self.rtol.get(d.name, 0.0)):
-                    self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"deferred check in a {where} window differs")
-                with self._lock:
-                    self.queued_bytes -= d.nbytes
-                    self.counts[f"checked-in-{where}"] += 1
+    def _check(self, d: Deferred, where: str) -> None:
+        try:
+            got = self._fp(d.run())
+        except Exception as err:  # a checker that cannot run is a detection, not a crash of the step
+            self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"checker failed: {err}")
+            got = None
+        if got is not None and not d.expect.matches(got, self.rtol.get(d.name, 0.0)):
+            self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"deferred check ({where}) differs")
+        with self._lock:
+            self.queued_bytes -= d.nbytes
+            self.counts[f"checked-in-{where}"] += 1
 
     def drain(self) -> None:
-        """Run every checker still queued (the end of the iteration: nothing is left unchecked)."""
-        if self.queue:
-            todo, self.queue = self.queue, []
-            self._run_checkers(todo, "drain")
+        """Run every checker still queued, on this thread (the end of the iteration: nothing is left unchecked)."""
+        todo, self.queue = self.queue, []
+        with checker_execution():
+            for d in todo:
+                self._check(d, "drain")
 
     # ---- reporting -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
@@ -455,15 +481,6 @@ class _RNG:
     def forward(self) -> None:
         for g, st in zip(self.gens, self.after):
             g.set_state(st)
-
-
-def _with_generator(func, args, kwargs, gen):
-    """Replay a random op with a private generator (when the op takes one), else under the global RNG."""
-    if "generator" in [a.name for a in func._schema.arguments]:
-        return func(*args, **{**kwargs, "generator": gen})
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(gen.get_state())
-        return func(*args, **kwargs)
 
 
 class _DMRMode(TorchDispatchMode):
