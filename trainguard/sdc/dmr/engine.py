@@ -55,6 +55,7 @@ from trainguard.train.activation_checkpoint import add_checkpoint_context, set_c
 from trainguard.train.guards import StepGuard, Verdict
 
 _FUSED_OPTIMIZERS = ("aten._fused_adamw_.default", "aten._fused_adam_.default")
+_CHECKING = threading.local()  # set while this thread runs deferred checkers
 
 
 @dataclass
@@ -114,18 +115,19 @@ class DMREngine:
         self.step = 0
         self._param_storages: set[int] = set()
         self.deferrable = False
+        self._model = None
 
     # ---- wiring ----------------------------------------------------------------------------------
     def attach(self, trainer) -> DMREngine:
-        model = trainer.model
+        model = self._model = trainer.model
         self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
         names = {m: n for n, m in model.named_modules()}
         for m, n in names.items():
             self._handles.append(m.register_forward_pre_hook(lambda mod, inp, n=n: self._modules.append(n)).remove)
             self._handles.append(m.register_forward_hook(lambda mod, inp, out: self._pop_module()).remove)
-        if self.active:
-            set_checkpoint_early_stop(model, False)  # the recompute replays every op, the segment's last included
-            self._handles.append(add_checkpoint_context(model, self._checkpoint_contexts))
+        # the recompute replays every op, the segment's last included (P-DMR compares it with the forward)
+        set_checkpoint_early_stop(model, not self.active)
+        self._handles.append(add_checkpoint_context(model, self._checkpoint_contexts))
         opt = trainer.optimizer
         self._handles.append(opt.register_step_pre_hook(lambda *a: self._set_optimizer(True)).remove)
         self._handles.append(opt.register_step_post_hook(lambda *a: self._set_optimizer(False)).remove)
@@ -135,6 +137,14 @@ class DMREngine:
         self._handles.append(trainer.add_guard(DMRGuard(self)))
         trainer.metric_sources.append(self.metrics)
         return self
+
+    def set_system(self, system: str) -> None:
+        """Switch between ``none`` (no mode at all: the No-DMR baseline), ``naive`` and ``sparetrain`` between
+        steps (benchmarks alternate systems on one trainer)."""
+        self.cfg.system = system
+        self.active = system != "none"
+        if self._model is not None:
+            set_checkpoint_early_stop(self._model, not self.active)
 
     def detach(self) -> None:
         for remove in self._handles:
@@ -161,6 +171,9 @@ class DMREngine:
     def step_context(self, step: int) -> Iterator[None]:
         self.step = step
         self._reset_attempt()
+        if not self.active:
+            yield
+            return
         with _DMRMode(self):
             yield
         self.drain()
@@ -185,6 +198,8 @@ class DMREngine:
 
     # ---- activation-checkpoint segments (P-DMR) ---------------------------------------------------
     def _checkpoint_contexts(self):
+        if not self.active:
+            return contextlib.nullcontext(), contextlib.nullcontext()
         seg = _Segment(self.module())
         return self._segment_context(seg, "forward"), self._segment_context(seg, "recompute")
 
@@ -225,16 +240,19 @@ class DMREngine:
 
     # ---- execution -------------------------------------------------------------------------------
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
-        kind = dops.classify(func)
+        if getattr(_CHECKING, "active", False):  # a checker execution (drain runs inside the mode): run as is
+            return func(*args, **kwargs)
+        inf = dops.info(func)
+        kind = inf.kind
         if kind != "compute" or not self.active:
             if self.cfg.coverage:
                 self.coverage.append(("-", str(func), self.phase(), kind if self.active else "none", None))
             self.counts[kind if self.active else "unverified"] += 1
             return func(*args, **kwargs)
         phase = self.phase()
-        name = str(func)
+        name = inf.name
         seg = self._pdmr_segment()
-        const = self._is_const(func, args, kwargs)
+        const = self._is_const(inf, args, kwargs)
         if phase == "recompute" and seg is not None and self.cfg.system == "sparetrain" and not const:
             return self._pdmr_check(seg[0], func, args, kwargs)
         op_id = self._next_id(phase)
@@ -260,9 +278,9 @@ class DMREngine:
                 self._const[id(t)] = t
         return out
 
-    def _is_const(self, func, args, kwargs) -> bool:
+    def _is_const(self, inf: dops.OpInfo, args, kwargs) -> bool:
         """An op whose tensor inputs are all constants of this attempt (or that has none: a factory)."""
-        if dops.is_random(func) or "generator" in [a.name for a in func._schema.arguments]:
+        if inf.random:
             return False
         return all(self._const.get(id(t)) is t for t in dops.tensors((args, kwargs)))
 
@@ -358,7 +376,7 @@ class DMREngine:
     # ---- deferred checks (D-DMR) -----------------------------------------------------------------
     def _defer(self, op_id, phase, strategy, window, func, args, kwargs) -> Any:
         written = dops.written_args(func, args, kwargs)
-        if written or dops.is_random(func) or "generator" in [a.name for a in func._schema.arguments]:
+        if written or dops.info(func).random:
             # in-place and random ops are checked at once (their inputs or generator change right after)
             self.counts["naive-fallback"] += 1
             return self._naive(op_id, phase, func, args, kwargs)
@@ -394,6 +412,8 @@ class DMREngine:
         Checkers planned for this window all run; unplanned ones (the dynamic queue) run one by one until
         the communication completes, and the rest stay queued. On CPU they run on a worker thread (the
         waiting thread holds no core); on CUDA they would run on a side stream."""
+        if not self.active:
+            return wait()
         wid = f"{kind}:{self._windows[kind]}"
         self._windows[kind] += 1
         todo = [d for d in self.queue if d.window == wid] + [d for d in self.queue if d.window is None]
@@ -437,9 +457,13 @@ class DMREngine:
     def drain(self) -> None:
         """Run every checker still queued, on this thread (the end of the iteration: nothing is left unchecked)."""
         todo, self.queue = self.queue, []
-        with checker_execution():
-            for d in todo:
-                self._check(d, "drain")
+        _CHECKING.active = True
+        try:
+            with checker_execution():
+                for d in todo:
+                    self._check(d, "drain")
+        finally:
+            _CHECKING.active = False
 
     # ---- reporting -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
@@ -464,7 +488,7 @@ class _RNG:
         self.gens: list[torch.Generator] = []
         self.before: list[torch.Tensor] = []
         self.after: list[torch.Tensor] = []
-        if not dops.is_random(func) and "generator" not in [a.name for a in func._schema.arguments]:
+        if not dops.info(func).random:
             return
         self.gens = [g for g in dops.flat((args, kwargs)) if isinstance(g, torch.Generator)]
         if not self.gens:
