@@ -76,7 +76,7 @@ elif mode.startswith("retry:"):
 elif mode.startswith("dmr:"):  # dmr:R:K:PHASE: a bit flip in rank R's PHASE ops at step K, DMR on
     _, rank, step, phase = mode.split(":")
     if trainer.rank == int(rank):
-        site = OpSite("aten.[!dtv_]*", phase, 5)
+        site = OpSite("*", phase, 5, compute_only=True)
         injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
 elif mode.startswith("abft:"):
     layer = int(mode.split(":")[1])

@@ -248,11 +248,17 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 plan = self.strategy.plan(self, step)
                 self._stage("plan", step)
-                loss = self.strategy.forward_backward(self, plan)
-                ctx.loss = loss
-                self._stage("forward_backward", step)
-                verdicts = self._guard("before_update", ctx) if guarded else []
-                committed = not verdicts and self.strategy.should_commit(self)
+                try:
+                    loss = self.strategy.forward_backward(self, plan)
+                except Exception as err:  # a guard may know the cause (a detected fault that derailed the step)
+                    verdicts, loss, committed = self._on_error(ctx, err), None, False
+                    if not verdicts:
+                        raise
+                if loss is not None:  # (None: a guard explained an exception: retry below)
+                    ctx.loss = loss
+                    self._stage("forward_backward", step)
+                    verdicts = self._guard("before_update", ctx) if guarded else []
+                    committed = not verdicts and self.strategy.should_commit(self)
                 if committed:
                     if inspects_update:
                         update_snapshot = snap_mod.capture(self.model, self.optimizer, self.scheduler, step)
@@ -298,6 +304,18 @@ class Trainer:
             if fn is not None:
                 fn(self, result)
         return result
+
+    def _on_error(self, ctx: StepContext, err: Exception) -> list[Verdict]:
+        """Guards' explanation of an exception in forward/backward: retry verdicts, or [] (re-raise). Single
+        process only: on several ranks the others would wait in a collective for the failed one."""
+        if self.world > 1:
+            return []
+        out = []
+        for g in self.guards:
+            v = g.on_error(ctx, err)
+            if v is not None and not v.ok:
+                out.append(Verdict(v.action, v.site, v.reason, v.guard or g.name, self.rank))
+        return out
 
     def _stage(self, stage: str, step: int) -> None:
         """Tell callbacks with ``on_stage(trainer, stage, step)`` that a stage finished (fail-stop injection

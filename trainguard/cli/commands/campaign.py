@@ -32,6 +32,9 @@ def register(subparsers) -> None:
     a.add_argument("--backward", action="store_true", help="also verify the backward-pass attention GEMMs")
     add_json_flag(a)
     a.set_defaults(handler=run_abft)
+    from trainguard.cli.commands._campaign_dmr import register_campaign
+
+    register_campaign(sub)
 
 
 def run_abft(args) -> int:

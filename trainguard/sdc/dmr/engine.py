@@ -48,6 +48,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from trainguard.errors import SuspectedHardwareFault
 from trainguard.faults.injector import checker_execution
 from trainguard.sdc.dmr import ops as dops
 from trainguard.sdc.dmr.config import DMRConfig
@@ -159,6 +160,7 @@ class DMREngine:
         self._optimizer_phase = on
 
     def _reset_attempt(self) -> None:
+        self.update_stage = False  # set once the step's guards passed: mismatches are repaired from here on
         self.counts: Counter = Counter()
         self.mismatches = []
         self.coverage = []
@@ -180,7 +182,7 @@ class DMREngine:
 
     # ---- phase and place -------------------------------------------------------------------------
     def phase(self) -> str:
-        if self._optimizer_phase:
+        if self._optimizer_phase or self.update_stage:  # clipping, optimizer and schedule: the update stage
             return "optimizer"
         if self._segments and self._segments[-1][1] == "recompute":
             return "recompute"
@@ -242,13 +244,19 @@ class DMREngine:
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
         if getattr(_CHECKING, "active", False):  # a checker execution (drain runs inside the mode): run as is
             return func(*args, **kwargs)
+        # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
+        # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
+        with checker_execution():
+            return self._dispatch(func, args, kwargs)
+
+    def _dispatch(self, func, args: tuple, kwargs: dict) -> Any:
         inf = dops.info(func)
         kind = inf.kind
         if kind != "compute" or not self.active:
             if self.cfg.coverage:
                 self.coverage.append(("-", str(func), self.phase(), kind if self.active else "none", None))
             self.counts[kind if self.active else "unverified"] += 1
-            return func(*args, **kwargs)
+            return _primary(func, args, kwargs)
         phase = self.phase()
         name = inf.name
         seg = self._pdmr_segment()
@@ -265,7 +273,7 @@ class DMREngine:
             self.coverage.append((op_id, name, phase, strategy, window))
         self.counts[strategy] += 1
         if strategy == "p-dmr":
-            out = func(*args, **kwargs)
+            out = _primary(func, args, kwargs)
             seg[0].records.append((op_id, name, self._fp(out)))
             return out
         if strategy == "optimizer":
@@ -285,7 +293,8 @@ class DMREngine:
         return all(self._const.get(id(t)) is t for t in dops.tensors((args, kwargs)))
 
     def _pdmr_check(self, seg: _Segment, func, args, kwargs) -> Any:
-        out = func(*args, **kwargs)  # the recompute: the checker execution of the forward op at the cursor
+        # the recompute: the checker execution of the forward op at the cursor (the injector's "recompute" ops)
+        out = _primary(func, args, kwargs)
         self.counts["p-dmr-checked"] += 1
         if seg.cursor >= len(seg.records):
             seg.cursor += 1
@@ -309,36 +318,52 @@ class DMREngine:
             if repair:
                 pre = [t.clone() for t in written]
         rng = _RNG(func, args, kwargs)
-        out = func(*args, **kwargs)
+        out = _primary(func, args, kwargs)
         rng.rewind()  # the checker draws the same random numbers
-        with checker_execution():
-            if written:
-                out2 = func(*checker_args, **checker_kwargs)
-                checked = [copies[id(t)] for t in written]
-            else:
-                out2 = func(*args, **kwargs)
+        if written:
+            out2 = func(*checker_args, **checker_kwargs)
+            checked = [copies[id(t)] for t in written]
+        else:
+            out2 = func(*args, **kwargs)
         rng.forward()  # and the run continues from the state after the primary
         same = self._same(func, out, out2) and (not written or self._same(func, written, checked))
         if same:
             return out
-        if pre is not None:  # optimizer phase: restore this op's writes and run it once more (the tie-breaker)
+        if repair and written:  # update stage: restore this op's writes and run it once more (the tie-breaker)
             primary = [t.clone() for t in written]
             for t, p in zip(written, pre):
                 t.copy_(p)
-            with checker_execution():
-                out = func(*args, **kwargs)
+            rng.rewind()
+            out = func(*args, **kwargs)
+            rng.forward()
             if self._same(func, written, checked) or self._same(func, written, primary):
                 # two of three executions agree: the written state is theirs (a checker fault keeps the primary)
-                self.counts["reexecuted"] += 1
-                self.totals["detected"] += 1
-                self.totals["repaired_optimizer"] += 1
-                return out
+                return self._repaired(out)
+        elif repair:  # update stage, out-of-place op: a third execution decides, the result goes into ``out``
+            rng.rewind()
+            out3 = func(*args, **kwargs)
+            rng.forward()
+            if self._same(func, out3, out2):
+                for dst, src in zip(dops.tensors(out), dops.tensors(out3)):
+                    dst.copy_(src)
+                return self._repaired(out)
+            if self._same(func, out3, out):
+                return self._repaired(out)
+        if repair:  # the update is under way: it cannot be rolled back, and three executions gave three results
+            raise SuspectedHardwareFault(f"three executions of {func} in the update stage of step {self.step} all "
+                                         f"differ ({op_id}): this device does not compute reliably")
         self._mismatch(op_id, str(func), phase, "naive", "primary and checker differ" if not written else
-                       "primary and checker writes differ" + (" (three executions disagree)" if pre else ""))
+                       "primary and checker writes differ")
         return out
 
     def _fp(self, value) -> dops.Fingerprint:
         return dops.Fingerprint.of(value, floats=self.cfg.compare == "tolerance")
+
+    def _repaired(self, out):
+        self.counts["reexecuted"] += 1
+        self.totals["detected"] += 1
+        self.totals["repaired_optimizer"] += 1
+        return out
 
     def _same(self, func, a, b) -> bool:
         rtol = self.rtol.get(str(func), 0.0)
@@ -388,7 +413,7 @@ class DMREngine:
             self.counts["naive-fallback"] += 1
             return self._naive(op_id, phase, func, args, kwargs)
         t0 = time.perf_counter()
-        out = func(*args, **kwargs)
+        out = _primary(func, args, kwargs)
         est = time.perf_counter() - t0
 
         def run(keep=keep):
@@ -481,6 +506,12 @@ class DMREngine:
                 "coverage": (len(verified) / len(compute)) if compute else 1.0, "by_strategy": dict(by)}
 
 
+def _primary(func, args, kwargs):
+    """The op's primary execution: an op of the step as far as the fault injector is concerned."""
+    with checker_execution(False):
+        return func(*args, **kwargs)
+
+
 class _RNG:
     """Generator states around a random op (its explicit generators, else the global CPU/CUDA RNG)."""
 
@@ -530,7 +561,15 @@ class DMRGuard(StepGuard):
         if self.engine.mismatches:
             m = self.engine.mismatches[0]
             return Verdict.retry(site=m.site(), reason=f"{m.phase} op {m.name} ({m.strategy}): {m.detail}")
+        self.engine.update_stage = True  # clipping and the optimizer come next: repaired in place, not retried
         return Verdict.commit()
+
+    def on_error(self, ctx, err: Exception) -> Verdict | None:
+        if not self.engine.mismatches:
+            return None
+        m = self.engine.mismatches[0]
+        return Verdict.retry(site=m.site(), reason=f"{m.phase} op {m.name} ({m.strategy}) differed, then the step "
+                                                   f"failed: {type(err).__name__}")
 
 
 def attach(trainer, cfg: DMRConfig | None = None, plan=None) -> DMREngine:
