@@ -107,8 +107,9 @@ def draw_timeline(profile: Profile, plan: Plan, path: str | Path, *, title: str 
             bars = [(w.start_s if timed else t0.get(w.after_op, 0.0) + 0.5, w.duration_s if timed else 0.5)
                     for w in wins.values() if w.kind == kind and w.dynamic == dyn]
             if bars:
-                ax.broken_barh(_merge(bars, gap / 4), (0.1, 0.8), facecolors=color, edgecolor="#999999",
-                               linewidth=0.2, hatch="///" if dyn else None)
+                merged = _merge(bars, gap / 4)
+                ax.broken_barh(merged, (0.1, 0.8), facecolors=color, edgecolor="#999999",
+                               linewidth=0.2 if len(merged) < 300 else 0.0, hatch="///" if dyn else None)
     fills: dict[str, list[tuple[float, float]]] = {"agc": [], "d-inter": [], "d-intra": []}
     for w in wins.values():
         if not w.used_s or not timed:
@@ -157,7 +158,7 @@ def draw_timeline(profile: Profile, plan: Plan, path: str | Path, *, title: str 
     axm.grid(True, alpha=0.2)
     if axm.get_legend_handles_labels()[0]:
         axm.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.09, right=0.99, top=0.94, bottom=0.08, hspace=0.42)
     fig.savefig(path)
     plt.close(fig)
     return path

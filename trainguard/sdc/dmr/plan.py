@@ -127,6 +127,7 @@ class WindowLoad:
     ops: list[str] = field(default_factory=list)
     agc_s: float = 0.0
     ops_s: float = 0.0
+    demoted: list[str] = field(default_factory=list)  # Phase 3 demoted these to naive here (memory budget)
 
     @property
     def used_s(self) -> float:

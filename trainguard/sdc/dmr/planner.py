@@ -555,14 +555,16 @@ def phase3_queue(st: _State) -> None:
             if st.free(o):
                 queue.append(o)
             cursor += 1
-        for o in [o for o in queue if o.time_s > ahead[n] * (1 + _TOL)]:  # fits no window ahead: never deferrable
+        too_long = [o for o in queue if o.time_s > ahead[n] * (1 + _TOL)]  # fits no window ahead: never deferrable
+        for o in too_long:
             st.assign(o.id, "naive")
-            queue.remove(o)
+        queue = [o for o in queue if o.time_s <= ahead[n] * (1 + _TOL)]
         room = w.duration_s - w.used_s
         if not queue:
             continue
         for o in _demote(st, queue, w):
             st.assign(o.id, "naive")
+            w.demoted.append(o.id)
         picked = best_fit([o.time_s for o in queue], room, st.cfg.knapsack_resolution)
         strategy = "d-inter" if w.kind in ("pp", "dp") else "d-intra"
         for idx in picked:
@@ -574,7 +576,7 @@ def phase3_queue(st: _State) -> None:
             w.ops.append(o.id)
             w.ops_s += o.time_s
         chosen = set(picked)
-        queue = [o for n, o in enumerate(queue) if n not in chosen]
+        queue = [o for q, o in enumerate(queue) if q not in chosen]
     for o in queue:
         st.assign(o.id, "naive")
 
