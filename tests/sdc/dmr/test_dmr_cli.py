@@ -71,13 +71,15 @@ def test_human_output(capsys, profile_path):
     (["--profile", "{good}", "--memory-budget", "lots"], "--memory-budget must be"),
     (["--profile", "{good}", "--model", "llama-tiny"], "either --profile or --model"),
     ([], "pass --profile"),
+    (["--profile", "{good}", "--figure", "{good}.gif"], "--figure must end in"),
+    (["--profile", "{good}", "--out", "{good}/plan.json"], "cannot write"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, profile_path, argv, msg):
     (tmp_path / "malformed.json").write_text('{"ops": [')
     (tmp_path / "wrong.json").write_text(json.dumps({"ops": [{"id": "a"}]}))
     paths = {"missing": str(tmp_path / "nope.json"), "malformed": str(tmp_path / "malformed.json"),
              "wrong_schema": str(tmp_path / "wrong.json"), "good": str(profile_path)}
-    rc, out, err = _run(capsys, *[a.format(**paths) for a in argv], "--out", "", "--figure", "")
+    rc, out, err = _run(capsys, "--out", "", "--figure", "", *[a.format(**paths) for a in argv])
     assert rc == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("trainguard: error:") and msg in lines[0]

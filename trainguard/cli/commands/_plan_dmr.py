@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
+from pathlib import Path
 
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
@@ -73,15 +74,20 @@ def run(args) -> int:
     except ConfigError:
         raise ConfigError(f"--phases must be 1, 1,2 or 1,2,3; got {args.phases!r}") from None
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
+    if args.figure and Path(args.figure).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ConfigError(f"--figure must end in .png, .svg or .pdf, got {args.figure!r}")
     profile, source = _profile(args)
     plan = plan_static(profile, PlannerConfig(phases=phases, memory_budget_bytes=budget))
     base = {"no-dmr": no_dmr(profile).summary, "naive-only": naive_only(profile).summary}
-    out = plan.save(args.out) if args.out else None
-    fig = None
-    if args.figure:
-        from trainguard.report.dmr_timeline import draw_timeline
+    fig = out = None
+    try:
+        out = plan.save(args.out) if args.out else None
+        if args.figure:
+            from trainguard.report.dmr_timeline import draw_timeline
 
-        fig = draw_timeline(profile, plan, args.figure)
+            fig = draw_timeline(profile, plan, args.figure)
+    except OSError as err:
+        raise TrainguardError(f"cannot write {err.filename or 'output'}: {err.strerror or err}") from None
     s = plan.summary
     show = err_console if args.json else console
     rows = {"source": source, "phases": ",".join(map(str, plan.phases)), "ops (non-communication)": s["ops"],
