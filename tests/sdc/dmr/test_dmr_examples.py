@@ -120,5 +120,7 @@ def test_fig10_queue():
                    "E": ("naive", None), "F": ("naive", None)}
     assert plan.window("W1").demoted == [] and plan.window("W2").demoted == ["C", "E"]
     assert plan.window("W1").ops == ["B"] and plan.window("W2").ops == ["A", "D"]
+    assert (plan.assignment("A").strategy, plan.assignment("A").window) == ("d-intra", "W2")  # the engine's lookup
+    assert plan.assignment("unknown") is None
     assert plan.summary["peak_with_deferral_bytes"] <= plan.memory_budget_bytes
     assert coverage_report(plan, profile).fraction == 1.0

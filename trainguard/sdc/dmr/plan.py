@@ -160,6 +160,10 @@ class Plan:
                 return w
         raise KeyError(wid)
 
+    def assignment(self, op_id: str) -> OpPlan | None:
+        """What the engine asks per op id: its strategy and window (None: an op the plan does not know)."""
+        return self.ops.get(op_id)
+
     def ops_with(self, strategy: str) -> list[str]:
         return [k for k, o in self.ops.items() if o.strategy == strategy]
 
