@@ -108,7 +108,7 @@ class AGCSegment:
     headroom_bytes: float  # the per-block constraints it was chosen under
     slack_s: float
     retained_from_s: float  # boundary tensors are kept from here until the window ends
-    candidates: int = 0  # segments enumerated for its block
+    candidates: int = 0  # segments enumerated for its block (those within its time slack)
 
     @property
     def occupancy_s(self) -> float:

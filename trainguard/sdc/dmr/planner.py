@@ -332,7 +332,7 @@ class _CommIndex:
         return cs[bisect_left(ps, p1)] - cs[bisect_right(ps, p0)]
 
 
-def _enumerate(st: _State, g: AGCGroup, comm: _CommIndex):
+def _enumerate(st: _State, g: AGCGroup, comm: _CommIndex, slack_s: float | None = None):
     """Step 1: every candidate segment of the block (forward range i..j no longer than the cap, with the
     B/W ops of a suffix k..j of it, or none), with its memory, replay time, communication and gain.
 
@@ -342,6 +342,8 @@ def _enumerate(st: _State, g: AGCGroup, comm: _CommIndex):
     the B/W ops, and for each P-DMR segment the candidate takes over (its forward ops all inside i..j and
     k <= its first op + 1, so every op reading a recomputed tensor is replayed too) the last op's extra
     run; P-DMR ops replayed otherwise are the paper's "re-protection" extra cost.
+    With ``slack_s``, candidates whose replay and communication exceed it are skipped (they only grow with
+    j and with a smaller k), which keeps the search fast on long blocks.
     """
     n, pos = len(g.forward), st.pos
     status = []  # "P": P-DMR, "N": unassigned static, "X": cannot be replayed (dynamic or taken)
@@ -363,6 +365,7 @@ def _enumerate(st: _State, g: AGCGroup, comm: _CommIndex):
             xs = [index[k] for k in s.ops]
             segs.append((min(xs), max(xs), s.last_s + s.last_comm_s, s.id))
     cap = max(1, st.cfg.agc_max_forward_ops)
+    limit = (slack_s or 0.0) * (1 + _TOL) + _TOL
     for i in range(n):
         if status[i] == "X":
             continue
@@ -376,6 +379,8 @@ def _enumerate(st: _State, g: AGCGroup, comm: _CommIndex):
             else:
                 n_t += tf[j]
             comm_f = comm.between(g.microbatch, "forward", pos[g.forward[i].id], pos[g.forward[j].id])
+            if slack_s is not None and f_t + comm_f > limit:
+                break
             inside = [s for s in segs if i <= s[0] and s[1] <= j]
             bw_t, w_b, lo, hi = 0.0, 0, None, None
             for k in range(j + 1, i - 1, -1):
@@ -389,6 +394,8 @@ def _enumerate(st: _State, g: AGCGroup, comm: _CommIndex):
                     lo = bw_lo[k] if lo is None else min(lo, bw_lo[k])
                     hi = bw_hi[k] if hi is None else max(hi, bw_hi[k])
                     comm_b = comm.between(g.microbatch, "backward", lo, hi)
+                    if slack_s is not None and f_t + bw_t + comm_f + comm_b > limit:
+                        break
                     memory = act_in[i] + 2 * g.forward[j].out_bytes + d_in[k] + w_b
                 else:
                     comm_b = 0.0
@@ -429,7 +436,8 @@ def _agc_groups(st: _State) -> dict[str, list[AGCGroup]]:
 
 def _constraints(st: _State, w: WindowLoad, groups: list[AGCGroup]) -> None:
     """Per-block headroom and slack: the budget beyond the peak from the stage's first op through the
-    window, and the window's duration, each divided evenly over the blocks deferring into it."""
+    window, and the window's time left, each divided evenly over the block groups (blocks of the stage, for
+    each micro-batch whose backward precedes the window) deferring into it."""
     t0 = min(o.start_s for g in groups for o in g.forward)
     headroom = max(0.0, st.budget - st.timeline.max_between(t0, w.end_s))
     for g in groups:
@@ -445,8 +453,9 @@ def agc_candidates(profile: Profile, config: PlannerConfig | None = None) -> lis
     phase1_pdmr(st)
     comm = _CommIndex(st)
     out = []
+    windows = {w.id: w for w in st.windows}
     for wid, groups in _agc_groups(st).items():
-        _constraints(st, st.windows[[w.id for w in st.windows].index(wid)], groups)
+        _constraints(st, windows[wid], groups)
         for g in groups:
             g.candidates = list(_enumerate(st, g, comm))
             out.append(g)
@@ -456,21 +465,21 @@ def agc_candidates(profile: Profile, config: PlannerConfig | None = None) -> lis
 def phase2_agc(st: _State) -> None:
     """One AGC segment per block and micro-batch (static ops only), into the pp window after its backward."""
     comm = _CommIndex(st)
+    windows = {w.id: w for w in st.windows}
     for wid, groups in _agc_groups(st).items():
-        w = next(x for x in st.windows if x.id == wid)
+        w = windows[wid]
         _constraints(st, w, groups)
         for g in groups:
-            enumerated = 0
-
-            def counted(it):
-                nonlocal enumerated
-                for c in it:
-                    enumerated += 1
-                    yield c
-
-            c = select_agc(counted(_enumerate(st, g, comm)), g.headroom_bytes, g.slack_s)
+            seen = [0]
+            c = select_agc(_counting(_enumerate(st, g, comm, g.slack_s), seen), g.headroom_bytes, g.slack_s)
             if c is not None:
-                _commit_agc(st, g, c, w, enumerated)
+                _commit_agc(st, g, c, w, seen[0])
+
+
+def _counting(items, seen: list[int]):
+    for x in items:
+        seen[0] += 1
+        yield x
 
 
 def _commit_agc(st: _State, g: AGCGroup, c: AGCCandidate, w: WindowLoad, enumerated: int) -> None:
