@@ -11,8 +11,8 @@ Lanes, top to bottom, on the iteration's time axis:
   AGC segments and deferred checkers placed in it;
 * memory: the profiled memory curve, the curve with the plan's deferral, and the budget.
 
-Thousands of ops stay readable: adjacent bars of one colour closer than a pixel's worth of time are drawn
-as one. Relies on matplotlib (Agg backend: files only).
+Thousands of ops stay readable: bars of one colour narrower than about three pixels are merged with their
+neighbours (closer than a pixel) and drawn as one. Relies on matplotlib (Agg backend: files only).
 """
 
 from __future__ import annotations
@@ -37,11 +37,14 @@ STRATEGY_COLORS = {"naive": "#d62728", "p-dmr": "#2ca02c", "agc": "#9467bd", "d-
 WINDOW_COLORS = {"pp": "#fde0dd", "tp": "#e5f5e0", "ep": "#fff7bc", "dp": "#efedf5"}
 
 
-def _merge(bars: list[tuple[float, float]], gap: float) -> list[tuple[float, float]]:
-    """(start, width) bars sorted by start, neighbours closer than ``gap`` merged into one."""
+def _merge(bars: list[tuple[float, float]], gap: float, tiny: float | None = None) -> list[tuple[float, float]]:
+    """(start, width) bars sorted by start; a bar narrower than ``tiny`` (default 3 x ``gap``, about three
+    pixels) is merged with a neighbour closer than ``gap``, so thousands of tiny ops draw as a few bars
+    while ops wide enough to see keep their own."""
+    tiny = 3 * gap if tiny is None else tiny
     out: list[list[float]] = []
     for s, w in sorted(bars):
-        if out and s <= out[-1][0] + out[-1][1] + gap:
+        if out and s <= out[-1][0] + out[-1][1] + gap and (w < tiny or out[-1][1] < tiny):
             out[-1][1] = max(out[-1][1], s + w - out[-1][0])
         else:
             out.append([s, w])
@@ -53,7 +56,9 @@ def _lane(ax, groups: dict[str, list[tuple[float, float]]], colors: dict[str, st
     for key, bars in groups.items():
         merged = [(s, max(w, min_w)) for s, w in _merge(bars, gap)]
         if merged:
-            ax.broken_barh(merged, (y, h), facecolors=colors.get(key, "#999999"), edgecolor="none")
+            wide = min(w for _, w in merged) >= 8 * gap  # outline bars only where it does not wash them out
+            ax.broken_barh(merged, (y, h), facecolors=colors.get(key, "#999999"), edgecolor="white",
+                           linewidth=0.4 if wide else 0.0)
 
 
 def draw_timeline(profile: Profile, plan: Plan, path: str | Path, *, title: str | None = None,
