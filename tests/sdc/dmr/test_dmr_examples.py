@@ -69,7 +69,9 @@ def test_fig9_constraints_and_named_segments():
     an extra cost of 1 for re-protecting F1: gain 3.
     Reconstructed: segment #2 is F1, F2 with B2, W2; F1 and F2 form an AC segment (F1 recomputed, so already
     protected by P-DMR: the extra 1; F2 its last op, whose extra P-DMR run the AGC segment takes over), and
-    F3, F4 form another with a unit TP collective gathering F4's input."""
+    F3, F4 form another with a unit TP collective gathering F4's input. Over all segments of the block the
+    largest gain is 3; F3, F4 with B4, W4 gains 3 as well but holds the window for 5 (replay 4 plus the
+    collective) against #2's 4, and the planner breaks gain ties by memory, then window time: #2."""
     for g in _block_candidates():
         assert g.headroom_bytes == 18 / 3 and g.slack_s == 15 / 3
         seg1 = _find(g, ["F1", "F2", "F3", "F4"], ["B1", "W1", "B2", "W2", "B3", "W3", "B4", "W4"])
@@ -85,6 +87,9 @@ def test_fig9_constraints_and_named_segments():
         assert select_agc(g.candidates, g.headroom_bytes, g.slack_s) is seg2
         feasible = [c for c in g.candidates if c.memory_bytes <= 6 and c.occupancy_s <= 5]
         assert max(c.gain_s for c in feasible) == 3
+        tie = _find(g, ["F3", "F4"], ["B4", "W4"])
+        assert (tie.gain_s, tie.memory_bytes, tie.occupancy_s) == (3, seg2.memory_bytes, 5) and seg2.occupancy_s == 4
+        assert [c for c in feasible if c.gain_s == 3] == [seg2, tie]
 
 
 def test_fig9_plan_chooses_segment_2_in_every_block():
