@@ -23,7 +23,7 @@ from trainguard.cli.output import add_json_flag, console, emit_json, table
 from trainguard.errors import TrainguardError
 
 PLAN_SUBPARSERS = None
-_EXTENSIONS = ("trainguard.cli.commands._plan_abft",)
+_EXTENSIONS = ("trainguard.cli.commands._plan_abft", "trainguard.cli.commands._plan_dmr")
 
 
 def _check(name: str, v: float, lo: float = 0.0, strict: bool = True) -> None:
