@@ -5,8 +5,9 @@ Every system runs on the same model, batches and pipeline, in alternating rounds
 round), after a warm-up; throughput is tokens over the median step time of each system. No-DMR runs with
 no dispatch mode at all (plain activation checkpointing with early stop); Naive-Only re-executes every op
 at once; SpareTrain verifies the activation-checkpointed ops on their recompute (P-DMR) and defers the
-others into pipeline transfer windows. Ablation: ``sparetrain-p1`` (P-DMR, the rest naive) and
-``sparetrain`` (all phases available in this build).
+others into pipeline transfer windows as planned from a profile of the run. Ablation: ``sparetrain-p1``
+(phase 1: P-DMR, the rest naive), ``sparetrain-p12`` (+ AGC segments in pipeline windows) and
+``sparetrain`` (phases 1-3: + per-op deferral into the remaining windows).
 
 Loopback links are nearly free, unlike an inter-node link: ``idle_fraction > 0`` **emulates** a slower
 link between pipeline stages (every transfer lands a fixed delay after it is issued), calibrated on the
@@ -32,9 +33,11 @@ import torch.distributed as dist
 
 from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import attach
+from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
 from trainguard.train import Trainer, TrainerConfig
 
-SYSTEMS = ("none", "naive", "sparetrain-p1", "sparetrain")
+SYSTEMS = ("none", "naive", "sparetrain-p1", "sparetrain-p12", "sparetrain")
+PHASES = {"sparetrain-p1": (1,), "sparetrain-p12": (1, 2), "sparetrain": (1, 2, 3)}
 
 
 def _rss_bytes() -> int:
@@ -53,9 +56,10 @@ def _mean_over_ranks(x: float) -> float:
     return float(t) / dist.get_world_size()
 
 
-def _set_system(engine, trainer, system: str) -> None:
+def _set_system(engine, trainer, system: str, plans: dict | None = None) -> None:
     engine.set_system("sparetrain" if system.startswith("sparetrain") else system)
-    engine.deferrable = system == "sparetrain" and trainer.strategy.name == "pipeline"
+    if plans and system in PHASES:
+        engine.plan = plans[PHASES[system]]
 
 
 def _timed_steps(trainer, n: int) -> tuple[list[float], float]:
@@ -95,18 +99,23 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             delay = _mean_over_ranks(delay)
             sched.link_delay_s = delay
             times, idle = _timed_steps(trainer, 2)
+    # profile one step (then re-executed under the plan) and plan it once per phase set
+    _set_system(engine, trainer, "sparetrain")
+    trainer.train_step()
+    plans = {p: plan_static(engine.profile, PlannerConfig(phases=p)) for p in PHASES.values()} \
+        if engine.profile is not None else None
     per: dict[str, dict[str, list]] = {s: {"times": [], "idle": [], "rss": []} for s in systems}
     rounds, steps = spec.get("rounds", 3), spec.get("steps", 3)
     for r in range(rounds):
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for s in order:
-            _set_system(engine, trainer, s)
+            _set_system(engine, trainer, s, plans)
             t, idle = _timed_steps(trainer, steps)
             per[s]["times"] += t
             per[s]["idle"].append(idle)
             per[s]["rss"].append(_rss_bytes())
     # coverage of one more SpareTrain step, with the per-op report on
-    _set_system(engine, trainer, "sparetrain")
+    _set_system(engine, trainer, "sparetrain", plans)
     engine.cfg.coverage = True
     trainer.train_step()
     coverage = engine.coverage_report()
@@ -118,7 +127,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
                         "idle_fraction": statistics.median(v["idle"]), "peak_rss_bytes": max(v["rss"])}
                     for s, v in per.items()},
         "coverage": coverage["coverage"], "compute_ops": coverage["compute_ops"], "by_strategy": coverage["by_strategy"],
-        "detected": engine.totals["detected"],
+        "detected": engine.totals["detected"] - 0,
+        "plan_summary": {str(k): v.summary for k, v in (plans or {}).items()},
     }
     trainer.close()
     return out
