@@ -309,7 +309,7 @@ def make_plan(rec: dict, n: int, p: ClusterParams, seeds: list[int], simulate: b
         expected_availability=rec.get("sim_availability", rec["availability"]) if simulate else rec["availability"],
         mean_stacks_per_step=stacks, ranked_by="simulation" if simulate else "theory",
         seeds=list(seeds) if simulate else [], domain_slots=slots,
-        inputs={k: v for k, v in asdict(p).items()},
+        inputs={k: v for k, v in asdict(p).items() if v is not None},  # TOML has no null
     )
 
 
