@@ -153,8 +153,8 @@ SG = dict(total_gpus=8 * 4, gpu_mtbf_hours=8 * 4 * 0.25, base_steps=120, restart
 def test_simgrid_agrees_without_contention(scheme, r):
     # one rail pod: every all-reduce message crosses two links of 1 us, nothing shares a link -> alpha-beta
     p = ClusterParams(**SG)
-    fast = simulate(scheme, 8, r, 3, p, max_steps=40, batch=False).as_dict()
-    sg = simulate_in_subprocess(scheme, 8, r, 3, p, Platform(nodes_per_leaf=32, gpus_per_node=4), max_steps=40)
+    fast = simulate(scheme, 8, r, 3, p, max_steps=30, batch=False).as_dict()
+    sg = simulate_in_subprocess(scheme, 8, r, 3, p, Platform(nodes_per_leaf=32, gpus_per_node=4), max_steps=30)
     assert sg["simgrid_transfers"] > 0
     for key in ("global_restarts", "masked_failures", "failures", "checkpoints", "steps_executed", "finished"):
         assert sg[key] == fast[key], key
@@ -164,7 +164,7 @@ def test_simgrid_agrees_without_contention(scheme, r):
 @_needs_simgrid
 def test_simgrid_contention_slows_the_run():
     p = ClusterParams(**SG)
-    fast = simulate("spare", 8, 3, 3, p, max_steps=40, batch=False)
+    fast = simulate("spare", 8, 3, 3, p, max_steps=25, batch=False)
     plat = Platform(topology="fat-tree", nodes_per_leaf=1, oversubscription=4, gpus_per_node=4)
-    sg = simulate_in_subprocess("spare", 8, 3, 3, p, plat, max_steps=40)
+    sg = simulate_in_subprocess("spare", 8, 3, 3, p, plat, max_steps=25)
     assert sg["time_to_train_days"] > fast.time_to_train_days * 1.02

@@ -165,6 +165,8 @@ def cmd_cluster(args) -> int:
     from trainguard.sim.plan_file import SparePlan, write_plan
     from trainguard.sim.planning import PlanOptions, plan_cluster
 
+    if args.simulate and args.theory_only:
+        raise TrainguardError("--simulate and --theory-only contradict each other (simulation is the default)")
     simulate = not args.theory_only
     if simulate and args.seeds < 1:
         raise TrainguardError(f"--seeds must be >= 1 when simulating (or use --theory-only), got {args.seeds}")

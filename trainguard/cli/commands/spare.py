@@ -128,17 +128,17 @@ def cmd_montecarlo(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from trainguard.failover.spare.placement import max_supported_redundancy
+    from trainguard.failover.spare.placement import supported_redundancies
     from trainguard.sim.montecarlo import run_montecarlo
 
     _positive("groups", args.groups)
     _positive("trials", args.trials)
-    r_max = args.max_redundancy or max_supported_redundancy(args.groups)
-    if r_max < 2:
+    rs = supported_redundancies(args.groups, args.max_redundancy or 28)
+    if not rs:
         raise TrainguardError(f"N={args.groups} supports no redundancy >= 2")
     t = time.perf_counter()
     rows = []
-    for r in range(2, r_max + 1):
+    for r in rs:
         rows.append(run_montecarlo(args.groups, r, args.trials, args.seed, workers=args.workers).as_dict())
     elapsed = time.perf_counter() - t
     keys = ("redundancy", "mean_failures_to_wipeout", "theory_failures_to_wipeout", "theory_failures_poisson",
