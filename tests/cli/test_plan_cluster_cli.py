@@ -96,3 +96,20 @@ def test_leftover_gpus_and_derived_step_time_are_reported(capsys, tmp_path):
     assert d["unused_gpus"] == 6 and any("6 GPU(s)" in n for n in d["notes"])
     assert d["params"]["stack_compute_s"] == pytest.approx(6 * 7e10 * 4e6 / (1024 * 400e12))
     assert d["params"]["base_steps"] == 10_000
+
+
+def test_trace_replay_and_failure_domains_run_end_to_end(capsys, tmp_path):
+    trace = tmp_path / "failures.csv"
+    trace.write_text("time_h,gpu\n" + "\n".join(f"{3 * i + 0.5},{(37 * i) % 1024}" for i in range(40)) + "\n")
+    assert main(EXAMPLE + ["--failure-model", "trace", "--trace", str(trace), "--seeds", "2", "--max-redundancy", "3",
+                           "--no-sensitivity", "--out", str(tmp_path / "a"), "--json"]) == 0
+    d = _json_last(capsys)
+    assert d["params"]["failure_model"] == "trace"
+    assert d["cluster_failure_mtbf_min"] == pytest.approx((3 * 39 + 0.5) * 60 / 40)  # trace period / failures
+    assert main(EXAMPLE + ["--gpus-per-domain", "64", "--domain-mtbf-hours", "500", "--seeds", "2",
+                           "--max-redundancy", "4", "--no-sensitivity", "--out", str(tmp_path / "b"), "--json"]) == 0
+    d = _json_last(capsys)
+    assert d["params"]["gpus_per_domain"] == 64
+    plan = read_plan(d["plan_file"])
+    if plan.scheme != "checkpoint" and plan.redundancy > 1:
+        assert sorted(plan.domain_slots) == list(range(128))

@@ -137,56 +137,73 @@ def load_trace(path: str | Path, period_s: float | None = None) -> Trace:
 
 # ----------------------------------------------------------------------------- sources
 class _Source:
-    """Events in time order: ``peek() -> time``, ``pop() -> (time, units)``."""
+    """Events in time order. ``time_at(k)`` / ``units_at(k)``: the ``k``-th pending event (without consuming it;
+    ``inf`` when there is none); ``pop()`` consumes the first."""
 
-    def peek(self) -> float:
+    def time_at(self, k: int) -> float:
+        raise NotImplementedError
+
+    def units_at(self, k: int) -> np.ndarray:
         raise NotImplementedError
 
     def pop(self) -> tuple[float, np.ndarray]:
         raise NotImplementedError
 
+    def peek(self) -> float:
+        return self.time_at(0)
+
     def peek_units(self) -> np.ndarray:
-        raise NotImplementedError
+        return self.units_at(0)
 
     def start_epoch(self, t: float, epoch: int, in_use: np.ndarray) -> None:
         pass
 
 
 class _Windowed(_Source):
-    """Absolute-time source generated window by window (fixed windows: the same events whatever is consumed)."""
+    """Absolute-time source generated window by window (fixed windows: the same events whatever is consumed
+    or looked ahead at)."""
 
     def __init__(self, window_s: float):
         self.window = float(window_s)
         self.hi = 0.0
-        self.t = np.empty(0)
-        self.u: list[np.ndarray] = []
+        self.bt: list[float] = []
+        self.bu: list[np.ndarray] = []
         self.i = 0
+        self.exhausted = False
 
     def _generate(self, lo: float, hi: float) -> tuple[np.ndarray, list[np.ndarray]]:
         raise NotImplementedError
 
-    def _fill(self) -> None:
-        for _ in range(100_000):
-            if self.i < self.t.size:
-                return
-            lo, self.hi = self.hi, self.hi + self.window
-            self.t, self.u = self._generate(lo, self.hi)
+    def _ensure(self, k: int) -> None:
+        if self.i > 4096:  # drop the consumed prefix (offsets are relative to i)
+            del self.bt[:self.i]
+            del self.bu[:self.i]
             self.i = 0
-        self.t, self.u, self.i = np.asarray([math.inf]), [np.empty(0, dtype=np.int64)], 0
+        empty = 0
+        while self.i + k >= len(self.bt) and not self.exhausted:
+            lo, self.hi = self.hi, self.hi + self.window
+            t, u = self._generate(lo, self.hi)
+            self.bt.extend(t.tolist())
+            self.bu.extend(u)
+            empty = empty + 1 if len(u) == 0 else 0
+            if empty > 100_000:
+                self.exhausted = True
 
-    def peek(self) -> float:
-        self._fill()
-        return float(self.t[self.i])
+    def time_at(self, k: int) -> float:
+        self._ensure(k)
+        j = self.i + k
+        return self.bt[j] if j < len(self.bt) else math.inf
+
+    def units_at(self, k: int) -> np.ndarray:
+        self._ensure(k)
+        j = self.i + k
+        return self.bu[j] if j < len(self.bu) else np.empty(0, dtype=np.int64)
 
     def pop(self) -> tuple[float, np.ndarray]:
-        self._fill()
-        out = (float(self.t[self.i]), self.u[self.i])
-        self.i += 1
+        out = (self.time_at(0), self.units_at(0))
+        if math.isfinite(out[0]):
+            self.i += 1
         return out
-
-    def peek_units(self) -> np.ndarray:
-        self._fill()
-        return self.u[self.i]
 
 
 class _GpuRenewal(_Windowed):
@@ -242,16 +259,18 @@ class _EpochRenewal(_Source):
         o = np.argsort(x, kind="stable")
         self.t, self.u, self.i = x[o], o, 0
 
-    def peek(self):
-        return float(self.t[self.i]) if self.i < self.t.size else math.inf
+    def time_at(self, k):
+        j = self.i + k
+        return float(self.t[j]) if j < self.t.size else math.inf
+
+    def units_at(self, k):
+        j = self.i + k
+        return self.u[j:j + 1]
 
     def pop(self):
-        out = (float(self.t[self.i]), self.u[self.i:self.i + 1])
+        out = (self.time_at(0), self.units_at(0))
         self.i += 1
         return out
-
-    def peek_units(self):
-        return self.u[self.i:self.i + 1]
 
 
 class _TraceSource(_Windowed):
@@ -356,6 +375,23 @@ class FailureTrail:
         best = min(self.sources, key=lambda s: s.peek())
         t = best.peek()
         return (t, best.peek_units()) if math.isfinite(t) else (math.inf, np.empty(0, dtype=np.int64))
+
+    def next_matching(self, keep, t_max: float) -> float:
+        """Time of the first pending event (not consumed) whose units satisfy ``keep(units)``; ``inf`` if none
+        comes before ``t_max``. Nothing is consumed: an event that does not matter now may matter after a
+        global restart brings its group back."""
+        offs = [0] * len(self.sources)
+        while True:
+            best, t = None, math.inf
+            for j, s in enumerate(self.sources):
+                tj = s.time_at(offs[j])
+                if tj < t:
+                    best, t = j, tj
+            if best is None or t > t_max:
+                return math.inf
+            if keep(self.sources[best].units_at(offs[best])):
+                return t
+            offs[best] += 1
 
     def events_until(self, t_end: float) -> list[tuple[float, tuple[int, ...]]]:
         """Consume and return every event up to ``t_end`` (for inspection and tests)."""

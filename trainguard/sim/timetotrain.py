@@ -159,11 +159,12 @@ class ClusterParams:
         gpus = self.total_gpus if n is None else n * self.gpus_per_group(n)
         if self.failure_model == "trace":
             tr = trace or load_trace(self.trace_path)
-            rate = tr.times_s.size / tr.period_s
-            if tr.gpu is None and tr.group is None:
-                rate *= 1.0  # every event hits a group
-            elif n is not None and tr.gpu is not None:
-                rate = float((tr.gpu < gpus).sum()) / tr.period_s
+            hits = tr.times_s.size  # without ids every event hits a group
+            if tr.gpu is not None:
+                hits = int((tr.gpu < gpus).sum())
+            elif tr.group is not None and n is not None:
+                hits = int((tr.group < n).sum())
+            rate = hits / tr.period_s
         else:
             rate = gpus / (self.gpu_mtbf_hours * 3600.0)
         if self.gpus_per_domain > 0 and self.domain_mtbf_hours > 0:
@@ -301,9 +302,10 @@ def checkpoint_period_for(scheme: str, n: int, r: int, p: ClusterParams, trace: 
 
 
 def layout_for(scheme: str, n: int, r: int, p: ClusterParams):
-    """Logical group -> physical slot: contiguous, or spread over failure domains (``domain_aware``)."""
+    """Logical group -> physical slot: contiguous, or spread over failure domains (``domain_aware``, when
+    domains fail: ``gpus_per_domain`` and ``domain_mtbf_hours`` set)."""
     G = p.gpus_per_group(n)
-    if p.gpus_per_domain > 0 and p.gpus_per_domain >= G:
+    if p.gpus_per_domain > 0 and p.domain_mtbf_hours > 0 and p.gpus_per_domain >= G:
         m = p.gpus_per_domain // G
         if p.domain_aware and r > 1 and m > 1:
             if scheme == "spare":
@@ -379,13 +381,17 @@ def simulate(scheme: str, n: int, r: int = 1, seed: int = 0, params: ClusterPara
         return bool(g.size) and bool(alive[g].any())
 
     def next_fail() -> float:
-        """Time of the next failure that hits a running group (events on idle or dead units only mark repairs)."""
+        """Time of the next failure that hits a running group. Past events on idle or dead units only mark
+        repairs and are consumed; future ones are looked at without consuming them (a restart may bring
+        their group back before they happen). Beyond the run's time cap nothing matters."""
+        now = clock.now()
         while True:
             t, units = trail.peek_event()
-            if not math.isfinite(t) or relevant(units):
-                return t
+            if t > now or relevant(units):
+                break
             trail.pop()
             np.maximum.at(broken_until, units, t + p.repair_s)
+        return trail.next_matching(relevant, t_cap)
 
     def pop_failures(until: float) -> list[int]:
         out: list[int] = []
