@@ -109,3 +109,12 @@ def test_bad_specs():
                     ({"repair_s": -5.0}, "repair"), ({"model": "trace"}, "trace file")]:
         with pytest.raises(TrainguardError, match=msg):
             FailureSpec(**kw).validate()
+
+
+def test_looking_ahead_does_not_consume(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("time_s,group\n10,0\n20,1\n30,0\n")
+    tr = FailureTrail(FailureSpec(model="trace", trace_path=str(path)), 4, 8, 0)
+    assert tr.next_matching(lambda u: 1 in u, t_max=100.0) == 20.0
+    assert tr.next_matching(lambda u: 3 in u, t_max=100.0) == math.inf  # bounded by t_max, even though it repeats
+    assert tr.pop()[0] == 10.0 and tr.pop()[0] == 20.0

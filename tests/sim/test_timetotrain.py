@@ -168,3 +168,15 @@ def test_simgrid_contention_slows_the_run():
     plat = Platform(topology="fat-tree", nodes_per_leaf=1, oversubscription=4, gpus_per_node=4)
     sg = simulate_in_subprocess("spare", 8, 3, 3, p, plat, max_steps=25)
     assert sg["time_to_train_days"] > fast.time_to_train_days * 1.02
+
+
+def test_a_trace_that_only_hits_a_dead_group_ends(tmp_path):
+    # every failure of the (repeating) trace hits group 0: once it is down, nothing else can fail until a
+    # restart, so the run must finish (it used to scan the endless trace for a relevant failure)
+    path = tmp_path / "t.csv"
+    path.write_text("time_s,group\n" + "\n".join(f"{600 * i + 300},0" for i in range(5)) + "\n")
+    p = ClusterParams(**{**SMALL, "failure_model": "trace", "trace_path": str(path)})
+    res = simulate("spare", 16, 3, 0, p)
+    assert res.finished and res.failures == 1 and res.global_restarts == 0
+    ck = simulate("checkpoint", 16, 1, 0, p)  # CKPT-only restarts at each failure and meets them all
+    assert ck.failures > 1 and ck.global_restarts == ck.failures
