@@ -88,6 +88,38 @@ class CheckpointConfig:
 
 
 @dataclass
+class ElasticConfig:
+    """``[distributed.elastic]``: one torchft replica group per process (``distributed.strategy = "elastic"``)."""
+
+    lighthouse: str = setting("", help="torchft lighthouse address, http://host:port (empty: $TORCHFT_LIGHTHOUSE)")
+    replica_id: int = setting(0, help="this process's replica group, in [0, replicas)")
+    replicas: int = setting(0, help="replica groups the global batch is planned for (0: distributed.dp)")
+    min_replicas: int = setting(1, help="a step commits only when at least this many replicas take part")
+    timeout_s: float = setting(20.0, help="collective and commit timeout in seconds (a hung peer is dropped after it)")
+    quorum_timeout_s: float = setting(60.0, help="how long one quorum may take, in seconds")
+    connect_timeout_s: float = setting(20.0, help="timeout for connecting to the lighthouse and to peers, in seconds")
+    heartbeat_ms: int = setting(100, help="heartbeat period to the lighthouse in milliseconds")
+    init_sync: bool = setting(False, help="step 0 copies the lowest replica's state (false: every replica starts "
+                                          "from the same seeded initialisation)")
+    ordered_reduction: bool = setting(True, help="sum the micro-batch gradients in slice order (bitwise reproducible "
+                                                 "whoever computed them; all-reduces slices x gradient size) instead "
+                                                 "of one all-reduce of each replica's sum")
+    max_step_retries: int = setting(8, help="re-executions of one step after peer failures before the run stops")
+
+    def validate(self) -> ElasticConfig:
+        _at_least("distributed.elastic.replica_id", self.replica_id, 0)
+        _at_least("distributed.elastic.replicas", self.replicas, 0)
+        _positive("distributed.elastic.min_replicas", self.min_replicas)
+        _positive("distributed.elastic.heartbeat_ms", self.heartbeat_ms)
+        _at_least("distributed.elastic.max_step_retries", self.max_step_retries, 0)
+        for name in ("timeout_s", "quorum_timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"distributed.elastic.{name} must be a finite number > 0, got {value}")
+        return self
+
+
+@dataclass
 class DistributedConfig:
     strategy: Literal["auto", "single", "ddp", "pipeline", "elastic"] = setting(
         "auto", help="parallel strategy: auto picks single, ddp (dp > 1) or pipeline (pp > 1) from the sizes")
@@ -97,6 +129,7 @@ class DistributedConfig:
     backend: Literal["auto", "gloo", "nccl"] = setting("auto", help="auto (nccl on CUDA, gloo on CPU), gloo or nccl")
     emulate_link_delay_ms: float = setting(
         0.0, help="experiments only: every pipeline transfer lands this long after it is issued (a slow link)")
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def validate(self) -> DistributedConfig:
         _positive("distributed.dp", self.dp)
@@ -110,7 +143,17 @@ class DistributedConfig:
             raise ConfigError(f"distributed.strategy {self.strategy!r} cannot run pp = {self.pp} stages (use pipeline)")
         if self.strategy == "single" and self.dp > 1:
             raise ConfigError(f"distributed.strategy 'single' cannot run dp = {self.dp} replicas")
+        if self.strategy == "elastic":
+            e, n = self.elastic, self.elastic_replicas()
+            if e.replica_id >= n:
+                raise ConfigError(f"distributed.elastic.replica_id ({e.replica_id}) must be < the replicas ({n})")
+            if e.min_replicas > n:
+                raise ConfigError(f"distributed.elastic.min_replicas ({e.min_replicas}) exceeds the replicas ({n})")
         return self
+
+    def elastic_replicas(self) -> int:
+        """Replica groups of an elastic run (``elastic.replicas``, or ``dp`` when that is 0)."""
+        return self.elastic.replicas or self.dp
 
     def resolved_strategy(self) -> str:
         if self.strategy != "auto":

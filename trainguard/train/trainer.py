@@ -247,6 +247,10 @@ class Trainer:
                     stack.enter_context(make(step))
                 self.optimizer.zero_grad(set_to_none=True)
                 plan = self.strategy.plan(self, step)
+                if plan.step != step:  # elastic: this replica healed from a peer and goes on in the peer's step
+                    step, lr = plan.step, self.optimizer.param_groups[0]["lr"]
+                    ctx = StepContext(self, step, attempt)
+                    start = StepStart.capture(step, self.state) if guarded else None
                 self._stage("plan", step)
                 try:
                     loss = self.strategy.forward_backward(self, plan)
@@ -400,9 +404,12 @@ class Trainer:
         return out
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Write a checkpoint (None on a rank that does not write them: ``Strategy.writes_checkpoints``)."""
         if self.ckpt is None:
             raise ConfigError("checkpoint.dir is not set")
+        if not self.strategy.writes_checkpoints():
+            return None
         rng = snap_mod.rng_state()
         by_rank = self.strategy.gather_object(rng)  # every rank's RNG (a collective on every rank)
         state = {"step": self.step_idx, "rng": rng, "rng_by_rank": by_rank, "world": self.world,
@@ -462,16 +469,20 @@ class Trainer:
                     last_eval_step = self.step_idx
                     logger.event(event="eval", step=self.step_idx, **evaluation)
                 if self.ckpt is not None and cfg.checkpoint.every and self.step_idx % cfg.checkpoint.every == 0:
-                    summary.checkpoint = str(self.save_checkpoint())
+                    saved = self.save_checkpoint()
                     last_ckpt_step = self.step_idx
-                    logger.event(event="checkpoint", step=self.step_idx, path=summary.checkpoint)
+                    if saved is not None:
+                        summary.checkpoint = str(saved)
+                        logger.event(event="checkpoint", step=self.step_idx, path=summary.checkpoint)
             if last is not None and not summary.stopped_early:
                 if cfg.train.eval_every and last_eval_step != self.step_idx:
                     evaluation = self.evaluate()
                     logger.event(event="eval", step=self.step_idx, **evaluation)
                 if self.ckpt is not None and last_ckpt_step != self.step_idx:
-                    summary.checkpoint = str(self.save_checkpoint())
-                    logger.event(event="checkpoint", step=self.step_idx, path=summary.checkpoint)
+                    saved = self.save_checkpoint()
+                    if saved is not None:
+                        summary.checkpoint = str(saved)
+                        logger.event(event="checkpoint", step=self.step_idx, path=summary.checkpoint)
         except SuspectedHardwareFault as err:
             summary.suspected_hardware = str(err)
             logger.event(event="suspected_hardware", step=self.step_idx, message=str(err))
