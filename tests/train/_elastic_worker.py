@@ -82,11 +82,11 @@ def main() -> None:
         for r in range(args.replicas):
             wait_for(out / f"ready{r}", f"replica {r} to start")
     try:
-        trainer.run()
+        summary = trainer.run()
         opt_steps = sorted({int(s["step"]) for s in trainer.optimizer.state_dict()["state"].values()})
         torch.save({"params": trainer.state_dict_for_compare(optimizer=True), "adam_steps": opt_steps,
                     "scheduler_steps": trainer.scheduler.last_epoch, "step": trainer.step_idx,
-                    "torchft_step": trainer.strategy.group.step}, out / f"final{args.replica}.pt")
+                    "torchft_step": trainer.strategy.group.step, "checkpoint": summary.checkpoint}, out / f"final{args.replica}.pt")
     finally:
         trainer.close()
 

@@ -118,14 +118,17 @@ class ExternalKiller:
     """Kill ``count`` processes from outside at random moments.
 
     ``targets()`` returns ``{name: pid}`` of the processes that may be killed now (the killer picks one at
-    random); between kills it waits a uniform random time in ``[min_gap_s, max_gap_s]``. Every kill is in
-    :attr:`kills`. ``start()`` runs it in a daemon thread; ``stop()`` ends it early."""
+    random). Before each kill it waits until ``ready()`` (when given: e.g. "the run recovered from the last
+    kill"), then a uniform random time in ``[min_gap_s, max_gap_s]``. Every kill is in :attr:`kills` and
+    passed to ``on_kill``. ``start()`` runs it in a daemon thread; ``stop()`` ends it early."""
 
     targets: Callable[[], dict[object, int]]
     count: int
     min_gap_s: float = 0.2
     max_gap_s: float = 1.5
     seed: int = 0
+    ready: Callable[[], bool] | None = None
+    on_kill: Callable[[KillRecord], None] | None = None
     kills: list[KillRecord] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -154,6 +157,9 @@ class ExternalKiller:
         rng = random.Random(self.seed)
         t0 = time.monotonic()
         while len(self.kills) < self.count:
+            while self.ready is not None and not self.ready():
+                if self._stop.wait(0.02):
+                    return
             if self._stop.wait(rng.uniform(self.min_gap_s, self.max_gap_s)):
                 return
             gone = {k.pid for k in self.kills}  # a killed process may linger as a zombie until it is reaped
@@ -162,8 +168,12 @@ class ExternalKiller:
                 continue
             name, pid = live[rng.randrange(len(live))]
             with self._lock:
-                if kill_pid(pid):
-                    self.kills.append(KillRecord(name, pid, time.monotonic() - t0))
+                if not kill_pid(pid):
+                    continue
+                record = KillRecord(name, pid, time.monotonic() - t0)
+                self.kills.append(record)
+            if self.on_kill is not None:
+                self.on_kill(record)
 
     def killed(self, pid: int) -> bool:
         """Whether this killer killed ``pid``."""

@@ -190,6 +190,8 @@ class SpareRunConfig:
                 raise TrainguardError(f"spare run: {name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise TrainguardError(f"spare run: lr must be > 0, got {self.lr}")
+        if self.max_restarts < 0:
+            raise TrainguardError(f"spare run: max_restarts must be >= 0, got {self.max_restarts}")
         if self.random_kills < 0:
             raise TrainguardError(f"spare run: random_kills must be >= 0, got {self.random_kills}")
         lo, hi = self.random_kill_gap_s
@@ -236,6 +238,13 @@ def trainer_config(cfg: SpareRunConfig, group: int | None = None, lighthouse: st
         return TrainerConfig.load(None, settings)
     except TrainguardError as err:
         raise TrainguardError(f"spare run: {err}") from None
+
+
+def _batches(cfg: SpareRunConfig):
+    """The run's batches (every group and the reference read the same corpus the same way)."""
+    from trainguard.data.batches import PackedBatches
+
+    return PackedBatches.from_config(trainer_config(cfg).data)
 
 
 def reference_run(cfg: SpareRunConfig) -> dict[str, torch.Tensor]:
@@ -308,7 +317,7 @@ class _Reporter:
             "recovery_s": [round(e["recovery_s"], 3) for e in failures]}))
 
 
-def _group_main(g: int, cfg: SpareRunConfig, lighthouse: str, resume: bool, barrier, queue) -> None:
+def _group_main(g: int, cfg: SpareRunConfig, lighthouse: str, resume: bool, barrier, queue, batches=None) -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     from trainguard.train.parallel.elastic import ElasticStrategy
     from trainguard.train.parallel.torchft_group import quiet_torchft_logs
@@ -318,8 +327,8 @@ def _group_main(g: int, cfg: SpareRunConfig, lighthouse: str, resume: bool, barr
     torch.set_num_threads(cfg.threads_per_group)
     trainer = None
     try:
-        trainer = Trainer(trainer_config(cfg, g, lighthouse, resume), strategy=ElasticStrategy(SparePolicy(cfg.groups, cfg.redundancy)),
-                          progress=False)
+        trainer = Trainer(trainer_config(cfg, g, lighthouse, resume), batches=batches,
+                          strategy=ElasticStrategy(SparePolicy(cfg.groups, cfg.redundancy)), progress=False)
         trainer.callbacks.append(_Reporter(g, queue))
 
         def report_kill(p: KillPoint) -> None:
@@ -364,7 +373,9 @@ class SpareRunResult:
     step_logs: list[dict]
     wall_s: float
     errors: list[str] = field(default_factory=list)
-    deaths: list[dict] = field(default_factory=list)  # every group that died: {"group", "step", "cause", "detail"}
+    # every group that died: {"group", "step" (the first it did not commit), "cause" (kill: --kill, signal: from
+    # outside, crash: an exception or an exit code), "detail", "restart" (which launch), "pid"}
+    deaths: list[dict] = field(default_factory=list)
     survivors_agree: bool = True           # every surviving group ended with bitwise the same parameters
 
     def summary(self) -> dict[str, Any]:
@@ -413,7 +424,9 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
         raise TrainguardError(f"spare run: {cfg.run_dir} already holds a checkpoint; use an empty run directory")
     ctx = mp.get_context(cfg.start_method)
     if cfg.start_method == "forkserver":  # the server imports torch once; each group then starts in a fraction of a second
-        ctx.set_forkserver_preload(["torch", "torchft", "trainguard.train.trainer", "trainguard.failover.spare.runtime"])
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "torchft", "trainguard.train.trainer",
+                                    "trainguard.failover.spare.runtime"])
+    batches = _batches(cfg)  # the corpus is read once, here, and shared with every group
     running = RunningGroups(progress)
     emit = running
     killer = None
@@ -434,7 +447,7 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
             run_cfg = SpareRunConfig(**{**cfg.__dict__, "kills": tuple(pending)})
             lh = start_lighthouse(heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
             barrier, queue = ctx.Barrier(cfg.groups), ctx.Queue()
-            procs = [ctx.Process(target=_group_main, args=(g, run_cfg, lh.address(), resume, barrier, queue),
+            procs = [ctx.Process(target=_group_main, args=(g, run_cfg, lh.address(), resume, barrier, queue, batches),
                                  daemon=True) for g in range(cfg.groups)]
             for g, p in enumerate(procs):
                 p.start()
@@ -462,7 +475,7 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
                                 barrier.abort()
                                 cause, detail = _death_cause(p.exitcode)
                                 death = {"group": gi, "step": last_step[gi] + 1, "cause": cause, "detail": detail,
-                                         "restart": restarts}
+                                         "restart": restarts, "pid": p.pid}
                                 deaths.append(death)
                                 emit("died", gi, death)
                         continue
@@ -480,7 +493,8 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
                     elif kind == "killed":
                         killed.append({"group": g, **info})
                         deaths.append({"group": g, "step": info["step"], "cause": "kill",
-                                       "detail": f"--kill {g}@{info['step']}:{info['when']}", "restart": restarts})
+                                       "detail": f"--kill {g}@{info['step']}:{info['when']}", "restart": restarts,
+                                       "pid": procs[g].pid})
                         pending = [k for k in pending if not (k.group == g and k.step == info["step"])]
                         finished[g] = "killed"
                         barrier.abort()
@@ -493,7 +507,7 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
                     elif kind == "error":
                         errors.append(f"group {g}: {info['message']}")
                         deaths.append({"group": g, "step": last_step[g] + 1, "cause": "crash",
-                                       "detail": info["message"], "restart": restarts})
+                                       "detail": info["message"], "restart": restarts, "pid": procs[g].pid})
                         finished[g] = "error"
                         barrier.abort()
             finally:

@@ -103,8 +103,9 @@ class GradSyncPolicy:
         raise NotImplementedError
 
     def on_failure(self, view: StepView, failed: frozenset[int], plan: SyncPlan) -> Recovery:
-        """``failed`` died during the step; ``view.live`` are the survivors; ``plan`` is the step's work so far
-        (extra micro-batches of earlier recoveries appended, counted copies with ``keep=False``)."""
+        """``failed`` died during the step; ``view.live`` are the survivors; ``plan`` is the step's work so far,
+        the failed replicas' included (extra micro-batches of earlier recoveries appended, copies that now count
+        with ``keep=False``; replicas that failed earlier in the step removed)."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -331,6 +332,8 @@ class ElasticStrategy(Strategy):
                 continue
             view = self._view = replace(view, live=m.live)
             rec = self.policy.on_failure(view, frozenset(failed), sync)
+            for r in failed:  # whatever the dead computed never arrives
+                sync.work.pop(r, None)
             self._events.append({"event": "failure", "failed": sorted(failed), "recovery_s": time.perf_counter() - t0,
                                  **rec.info})
             for r, slices in rec.count.items():
