@@ -159,6 +159,7 @@ class ElasticStrategy(Strategy):
         self._prepared: Membership | None = None  # a quorum already formed for the next plan
         self._start: dict[str, Any] | None = None  # {"step", "live", "policy"} at the start of the current step
         self._attempts = 0
+        self._attempt_step: int | None = None  # the step the attempts are counted for
         self._abandoned = False
         self._view: StepView | None = None
         self._sync: SyncPlan | None = None
@@ -226,18 +227,19 @@ class ElasticStrategy(Strategy):
 
     # ---- one step ------------------------------------------------------------------------------
     def plan(self, trainer: Trainer, step: int) -> StepPlan:
+        self._events = []
+        self._abandoned = False
+        self._global_loss = None
         self._apply_heal(trainer)  # a heal received while the previous attempt was abandoned
         if not self._started or self.group.step != trainer.step_idx:
             self.group.set_step(trainer.step_idx)  # a resumed run, or a step re-executed after the commit vote
             self._started = True
-        if self._start is not None and self._start["step"] == trainer.step_idx:
-            self.load_state_dict(self._start_copy())  # re-executing the step: from its starting state
+        if self._attempt_step == trainer.step_idx:
             self._retries_left("the step", trainer.step_idx)
         else:
-            self._attempts = 0
-        self._abandoned = False
-        self._events = []
-        self._global_loss = None
+            self._attempt_step, self._attempts = trainer.step_idx, 0
+        if self._start is not None and self._start["step"] == trainer.step_idx:
+            self.load_state_dict(self._start_copy())  # re-executing the step: from its starting state
         while True:
             m, self._prepared = self._prepared, None
             if m is None:
@@ -434,7 +436,7 @@ class ElasticStrategy(Strategy):
                        "events": list(self._events), "policy": dict(sync.info)}
         self.last_live = view.live
         self._start = None
-        self._attempts = 0
+        self._attempt_step, self._attempts = None, 0
         return True
 
     def close(self) -> None:

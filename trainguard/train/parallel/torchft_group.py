@@ -95,7 +95,8 @@ class ElasticGroup:
             connect_timeout=timedelta(seconds=cfg.connect_timeout_s),
             heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_ms), rank=0, world_size=1,
             store_addr="localhost", store_port=self._store.port, lighthouse_addr=lighthouse,
-            replica_id=f"replica{replica_id}_", init_sync=cfg.init_sync,
+            # torchft derives a global rank from the id's trailing digits: end it with the replica id
+            replica_id=f"trainguard_replica_{replica_id}", init_sync=cfg.init_sync,
         )
 
     # ------------------------------------------------------------------ per step
