@@ -73,3 +73,13 @@ def test_spare_run_with_a_mid_step_kill_is_bitwise_equal_to_the_fault_free_run(c
                             "pid": d["deaths"][0]["pid"]}]
     assert d["patch_computes"] == 1 and [lg["failed"] for lg in d["step_logs"]] == [[], [1], [], []]
     assert any(p.name.startswith("step_") for p in (tmp_path / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_spare_run_random_kills_from_outside_are_reported_and_verified(capsys):
+    argv = ["spare", "run", "--groups", "4", "--redundancy", "2", "--steps", "60", "--tiny", "--seq-len", "16",
+            "--random-kills", "2", "--kill-seed", "1", "--timeout", "5", "--max-restarts", "6", "--verify", "--json"]
+    assert main(argv) == 0
+    d = _json_last(capsys)
+    assert d["verified"] and d["max_param_diff_vs_fault_free"] == 0.0
+    assert len(d["deaths"]) == 2 and all(x["detail"] == "SIGKILL from outside" for x in d["deaths"])

@@ -179,7 +179,8 @@ class SpareRunConfig:
     start_method: str = "forkserver"  # torch.multiprocessing start method of the groups: forkserver (torch imported
     #                                   once, restarts take a fraction of a second) or spawn
     heartbeat_timeout_ms: int = 1500  # a silent group leaves the quorum after this long
-    random_kills: int = 0           # SIGKILL this many groups from the launcher at random moments
+    random_kills: int = 0           # SIGKILL this many training groups from the launcher at random moments, each
+    #                                 once the run committed a step since the previous kill
     random_kill_seed: int = 0
     random_kill_gap_s: tuple[float, float] = (0.3, 1.5)  # uniform wait before each random kill
 
@@ -280,6 +281,7 @@ class RunningGroups:
         self._pids: dict[int, int] = {}
         self._running: dict[int, int] = {}
         self._lock = threading.Lock()
+        self.steps_seen = 0  # committed steps reported, over all groups
 
     def __call__(self, kind: str, group: int, info: dict) -> None:
         with self._lock:
@@ -288,6 +290,7 @@ class RunningGroups:
                 self._running.pop(group, None)
             elif kind == "step" and group in self._pids:
                 self._running[group] = self._pids[group]
+                self.steps_seen += 1
             elif kind in ("killed", "wipeout", "done", "error", "died"):
                 self._pids.pop(group, None)
                 self._running.pop(group, None)
@@ -430,9 +433,12 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
     running = RunningGroups(progress)
     emit = running
     killer = None
-    if cfg.random_kills:
+    if cfg.random_kills:  # each at a random moment once the run committed a step since the previous kill
         lo, hi = cfg.random_kill_gap_s
-        killer = ExternalKiller(running.pids, cfg.random_kills, lo, hi, cfg.random_kill_seed).start()
+        mark = [-1]
+        killer = ExternalKiller(running.pids, cfg.random_kills, lo, hi, cfg.random_kill_seed,
+                                ready=lambda: running.steps_seen > mark[0],
+                                on_kill=lambda k: mark.__setitem__(0, running.steps_seen)).start()
     killed: list[dict] = []
     deaths: list[dict] = []
     restarts = 0
