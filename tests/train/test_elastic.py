@@ -19,6 +19,7 @@ import torch
 from trainguard.config import load_config
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.train.checkpoint import CheckpointManager
+from trainguard.train.guards import StepGuard, Verdict
 from trainguard.train.parallel import MicroBatch, StepPlan, Strategy, build_strategy
 from trainguard.train.parallel.elastic import DataParallelPolicy, ElasticStrategy, StepView
 from trainguard.train.parallel.torchft_compat import TORCHFT_VERSION, force_reconfigure, torchft_version
@@ -92,6 +93,57 @@ def test_torchft_is_the_pinned_version_and_its_private_quorum_id_still_forces_a_
         lh.shutdown()
     with pytest.raises(TrainguardError, match="_quorum_id"):
         force_reconfigure(object())
+
+
+def _tiny(*extra: str):
+    return load_config(None, ["--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "2",
+                              "--model.ffn_hidden", "64", "--data.max_bytes", "300000", "--data.seq_len", "16",
+                              "--data.batch_size", "4", "--train.grad_accum", "2", "--train.steps", "4",
+                              "--train.eval_every", "0", "--output.dir", "", "--output.metrics", "false",
+                              "--output.progress", "false", *extra])
+
+
+@pytest.mark.filterwarnings("ignore:The 'warn' method is deprecated")
+def test_one_elastic_replica_equals_one_process_bitwise_through_a_guard_retry_and_a_checkpoint(tmp_path):
+    """Through torchft (quorum, ordered all-reduce, should_commit), a guard's retry verdict (gathered through
+    the quorum) and a checkpoint written by the lowest live replica, the run stays the single-process run."""
+
+    class RetryOnce(StepGuard):
+        name = "once"
+
+        def __init__(self):
+            self.fired = False
+
+        def before_update(self, ctx):
+            if ctx.step == 2 and not self.fired:
+                self.fired = True
+                return Verdict.retry(site="loss", reason="test")
+            return Verdict.commit()
+
+    lh = start_lighthouse()
+    try:
+        cfg = _tiny("--distributed.strategy", "elastic", "--distributed.elastic.lighthouse", lh.address(),
+                    "--checkpoint.dir", str(tmp_path))
+        trainer = Trainer(cfg, progress=False)
+        try:
+            trainer.add_guard(RetryOnce())
+            seen = []
+            trainer.callbacks.append(type("Seen", (), {"on_step_end": lambda self, t, r: seen.extend(r.retries)})())
+            summary = trainer.run()
+            retried = summary.retries
+            got = trainer.state_dict_for_compare(optimizer=True)
+            assert trainer.strategy.record["live"] == [0] and trainer.strategy.group.step == 4
+        finally:
+            trainer.close()
+    finally:
+        lh.shutdown()
+    assert [(v["action"], v["site"], v["reason"], v["guard"], v["rank"]) for v in seen] == [("retry", "loss", "test", "once", 0)]
+    assert retried == 1 and summary.checkpoint and CheckpointManager(tmp_path).checkpoints()[-1][0] == 4
+    ref = Trainer(_tiny(), progress=False)
+    for _ in range(4):
+        ref.train_step()
+    for k, v in ref.state_dict_for_compare(optimizer=True).items():
+        assert torch.equal(got[k], v), k
 
 
 # ---------------------------------------------------------------------------------------------------
