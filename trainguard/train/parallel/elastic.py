@@ -153,7 +153,6 @@ class ElasticStrategy(Strategy):
         self.replica_id, self.replicas = 0, 1
         self.last_live: frozenset[int] = frozenset()  # replicas of the last committed step
         self.record: dict[str, Any] = {}  # the last committed step: membership, failures, counted slices, policy notes
-        self._trainer: Trainer | None = None
         self._started = False
         self._pending_heal: dict | None = None  # a peer's Trainer.state_dict() received in a quorum
         self._prepared: Membership | None = None  # a quorum already formed for the next plan
@@ -172,7 +171,6 @@ class ElasticStrategy(Strategy):
         self.cfg = d.elastic
         self.replicas, self.replica_id = d.elastic_replicas(), d.elastic.replica_id
         self.rank, self.world = self.replica_id, self.replicas
-        self._trainer = trainer
         self.group = ElasticGroup(self.replica_id, self.replicas, self.cfg, state_dict=trainer.state_dict,
                                   load_state_dict=self._receive_state, device=trainer.device)
 
