@@ -142,3 +142,26 @@ def test_campaign_every_phase_detected_and_bitwise(batches):
     assert res["trials"] == 8 and res["detected"] == 8 and res["silent"] == 0 and res["false_positives"] == 0
     assert res["rollback_bitwise_equal"] == 8 and res["unreached"] == 0
     assert len({r["phase"] for r in res["results"]}) >= 3
+
+
+def test_determinism_report_and_tolerance_mode(batches, clean, tmp_path):
+    from trainguard.sdc.dmr.determinism import load_tolerances, record, save
+
+    t = _trainer(batches, "--train.activation_checkpoint", "full")
+    eng = attach(t, DMRConfig(enabled=True))
+    report = record(t, eng, steps=1)
+    assert report["ops"] and report["nondeterministic_ops"] == []  # CPU: every op bitwise reproducible
+    save(report, tmp_path / "det.json")
+    assert load_tolerances(tmp_path / "det.json", 8.0) == {}
+    # tolerance mode with a report: clean steps raise no alarm, an exponent flip is still caught
+    cfg = DMRConfig(enabled=True, compare="tolerance", determinism_report=str(tmp_path / "det.json"))
+    eng.cfg, eng.rtol = cfg, load_tolerances(cfg.determinism_report, cfg.tolerance_safety)
+    Injector(Fault(OpSite("aten.mm*", "backward", 2), FaultModel("bitflip", bit=29), step=2)).attach(t)
+    assert [t.train_step().attempts for _ in range(2)] == [1, 2]
+    assert _equal(_params(t), clean)
+    report["ops"]["aten.index.Tensor"] = "inf"
+    save(report, tmp_path / "bad.json")
+    from trainguard.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot be verified"):
+        load_tolerances(tmp_path / "bad.json", 8.0)

@@ -119,6 +119,11 @@ class DMREngine:
         self.plan = plan
         self.active = self.cfg.system != "none"
         self.rtol: dict[str, float] = {}  # tolerance mode: per op name (from a determinism report)
+        self.calibration: dict[str, float] | None = None  # set while recording a determinism report
+        if self.cfg.compare == "tolerance" and self.cfg.determinism_report:
+            from trainguard.sdc.dmr.determinism import load_tolerances
+
+            self.rtol = load_tolerances(self.cfg.determinism_report, self.cfg.tolerance_safety)
         self.totals: Counter = Counter()  # over the run
         self.profile: Profile | None = None  # the last profile recorded
         self._profiling = False
@@ -404,7 +409,7 @@ class DMREngine:
         op_id, name, expect = twin
         if name != str(func):
             self._mismatch(op_id, name, "forward", "p-dmr", f"recompute ran {func} where the forward ran {name}")
-        elif not expect.matches(self._fp(out), self.rtol.get(name, 0.0)):
+        elif not self._agree(name, expect, self._fp(out)):
             self._mismatch(op_id, name, "forward", "p-dmr", "forward and recompute differ")
         self._own("recompute", f"recompute:{op_id}", False)
         return out
@@ -466,7 +471,17 @@ class DMREngine:
     def _fp(self, value) -> dops.Fingerprint:
         return dops.Fingerprint.of(value, floats=self.cfg.compare == "tolerance")
 
+    def _agree(self, name: str, expect: dops.Fingerprint, got: dops.Fingerprint) -> bool:
+        if self.calibration is not None:  # recording a determinism report: measure, never flag
+            self.calibration[name] = max(self.calibration.get(name, 0.0), expect.gap(got))
+            return True
+        return expect.matches(got, self.rtol.get(name, 0.0))
+
     def _same(self, func, a, b) -> bool:
+        if self.calibration is not None:
+            name = str(func)
+            self.calibration[name] = max(self.calibration.get(name, 0.0), dops.relative_gap(a, b))
+            return True
         rtol = self.rtol.get(str(func), 0.0)
         if rtol <= 0:
             return dops.bitwise_equal(a, b)
@@ -601,7 +616,7 @@ class DMREngine:
         except Exception as err:  # a checker that cannot run is a detection, not a crash of the step
             self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"checker failed: {err}")
             got = None
-        if got is not None and not d.expect.matches(got, self.rtol.get(d.name, 0.0)):
+        if got is not None and not self._agree(d.name, d.expect, got):
             self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"deferred check ({where}) differs")
         with self._lock:
             if d.strategy != "dynamic":

@@ -164,6 +164,18 @@ class Fingerprint:
             return False  # only finite executions can agree within a tolerance
         return bool(((a[:, 0] - b[:, 0]).abs() <= rtol * a[:, 1].clamp_min(1e-30)).all())
 
+    def gap(self, other: Fingerprint) -> float:
+        """Largest relative difference of the float sums (0 when bitwise equal, inf when shapes or integer
+        outputs differ): what a determinism report records."""
+        if self.shapes != other.shapes:
+            return float("inf")
+        if self.sums is not None and torch.equal(self.sums, other.sums):
+            return 0.0
+        if self.floats is None or other.floats is None:
+            return float("inf")
+        a, b = self.floats.view(-1, 2), other.floats.view(-1, 2)
+        return float(((a[:, 0] - b[:, 0]).abs() / a[:, 1].clamp_min(1e-30)).max())
+
     def nbytes(self) -> int:
         return 16 * len(self.shapes)
 
