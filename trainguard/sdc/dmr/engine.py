@@ -138,6 +138,7 @@ class DMREngine:
         self.step = 0
         self._param_storages: set[int] = set()
         self._param_shapes: set[tuple] = set()
+        self._ws: dict[tuple, torch.Tensor] = {}  # update-stage workspaces, reused every step
         self.deferrable = False
         self._model = None
         self.dynamic = DynamicPlanner(self.budget_bytes or 2**40)
@@ -414,15 +415,26 @@ class DMREngine:
         self._own("recompute", f"recompute:{op_id}", False)
         return out
 
-    def _naive(self, op_id: str, phase: str, func, args, kwargs, repair: bool = False) -> Any:
-        written = dops.written_args(func, args, kwargs)
+    def _copy(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` in a buffer kept across steps (update-stage ops repeat every step: reusing their
+        workspace avoids allocating, and on CPU page-faulting, the optimizer state's size every step)."""
+        buf = self._ws.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device or \
+                buf.stride() != t.stride():
+            buf = self._ws[key] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return buf.copy_(t)
+
+    def _naive(self, op_id: str, phase: str, func, args, kwargs, repair: bool = False, read_only: tuple = ()) -> Any:
+        written = dops.written_args(func, args, kwargs, skip=read_only)
         checker_args = checker_kwargs = pre = None
         if written:
-            copies = {id(t): t.clone() for t in written}
+            if repair:  # update-stage ops: persistent workspaces
+                copies = {id(t): self._copy((op_id, i, "checker"), t) for i, t in enumerate(written)}
+                pre = [self._copy((op_id, i, "pre"), t) for i, t in enumerate(written)]
+            else:
+                copies = {id(t): t.clone() for t in written}
             remap = lambda v: copies.get(id(v), v) if isinstance(v, torch.Tensor) else v
             checker_args, checker_kwargs = tree_map(remap, args), tree_map(remap, kwargs)
-            if repair:
-                pre = [t.clone() for t in written]
         rng = _RNG(func, args, kwargs)
         out = _primary(func, args, kwargs)
         rng.rewind()  # the checker draws the same random numbers
@@ -504,7 +516,9 @@ class DMREngine:
             part = {k: (list(v[start:end]) if k in lists else v) for k, v in bound.items()}
             pos = tuple(part[a.name] for a in schema if not a.kwarg_only)
             kw = {a.name: part[a.name] for a in schema if a.kwarg_only and part.get(a.name) is not None}
-            self._naive(f"{op_id}/{start}", "optimizer", func, pos, kw, repair=True)
+            # the fused kernel writes the gradients only to unscale them (grad_scale): otherwise they are inputs
+            read_only = ("grads",) if part.get("grad_scale") is None and part.get("found_inf") is None else ()
+            self._naive(f"{op_id}/{start}", "optimizer", func, pos, kw, repair=True, read_only=read_only)
             self.counts["optimizer-chunks"] += 1
             start = end
         return None

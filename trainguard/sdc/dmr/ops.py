@@ -70,10 +70,12 @@ def is_random(func) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
 
 
-def written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an in-place / out= op writes (its mutable arguments), flattened."""
+def written_args(func, args: tuple, kwargs: dict, skip: tuple = ()) -> list[torch.Tensor]:
+    """The tensors an in-place / out= op writes (its mutable arguments, but those named in ``skip``)."""
     out: list[torch.Tensor] = []
     for i, name in info(func).written:
+        if name in skip:
+            continue
         value = kwargs.get(name, args[i] if i < len(args) else None)
         if isinstance(value, torch.Tensor):
             out.append(value)
