@@ -121,10 +121,12 @@ class ElasticConfig:
 
 @dataclass
 class DistributedConfig:
-    strategy: Literal["auto", "single", "ddp", "pipeline", "elastic"] = setting(
-        "auto", help="parallel strategy: auto picks single, ddp (dp > 1) or pipeline (pp > 1) from the sizes")
+    strategy: Literal["auto", "single", "ddp", "pipeline", "elastic", "expert"] = setting(
+        "auto", help="parallel strategy: auto picks single, ddp (dp > 1), pipeline (pp > 1) or expert (ep > 1) "
+        "from the sizes")
     dp: int = setting(1, help="data-parallel replicas")
     pp: int = setting(1, help="pipeline stages")
+    ep: int = setting(1, help="expert-parallel ranks (MoE: each holds n_experts / ep experts and a batch slice)")
     microbatches: int = setting(0, help="pipeline micro-batches per step and grad_accum round (0: 2 * pp)")
     backend: Literal["auto", "gloo", "nccl"] = setting("auto", help="auto (nccl on CUDA, gloo on CPU), gloo or nccl")
     emulate_link_delay_ms: float = setting(
@@ -134,7 +136,13 @@ class DistributedConfig:
     def validate(self) -> DistributedConfig:
         _positive("distributed.dp", self.dp)
         _positive("distributed.pp", self.pp)
+        _positive("distributed.ep", self.ep)
         _at_least("distributed.microbatches", self.microbatches, 0)
+        if self.ep > 1 and (self.dp > 1 or self.pp > 1 or self.strategy not in ("auto", "expert")):
+            raise ConfigError("distributed.ep > 1 runs the expert strategy alone (each rank is one data-parallel "
+                              "slice too): leave dp and pp at 1")
+        if self.strategy == "expert" and self.ep < 2:
+            raise ConfigError("distributed.strategy 'expert' needs distributed.ep >= 2")
         if not self.emulate_link_delay_ms >= 0:
             raise ConfigError(f"distributed.emulate_link_delay_ms must be >= 0, got {self.emulate_link_delay_ms}")
         if self.strategy == "pipeline" and self.pp < 2:
@@ -158,7 +166,13 @@ class DistributedConfig:
     def resolved_strategy(self) -> str:
         if self.strategy != "auto":
             return self.strategy
+        if self.ep > 1:
+            return "expert"
         return "pipeline" if self.pp > 1 else ("ddp" if self.dp > 1 else "single")
+
+    def world_size(self) -> int:
+        """Processes a run needs under torchrun."""
+        return self.ep if self.resolved_strategy() == "expert" else self.dp * self.pp
 
     def pipeline_microbatches(self) -> int:
         return self.microbatches or 2 * self.pp
@@ -193,10 +207,12 @@ class TrainerConfig:
             raise ConfigError(f"model.vocab_size ({mc.vocab_size}) is smaller than the byte tokenizer's {VOCAB_SIZE} ids")
         if d.seq_len > mc.max_seq_len:
             raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model max_seq_len ({mc.max_seq_len})")
+        if dist.resolved_strategy() == "expert" and (not mc.n_experts or mc.n_experts % dist.ep):
+            raise ConfigError(f"distributed.ep ({dist.ep}) needs a MoE model whose n_experts ({mc.n_experts}) it divides")
         if dist.pp > mc.n_layers:
             raise ConfigError(f"distributed.pp ({dist.pp}) exceeds the model's layers ({mc.n_layers})")
         micro = dist.pipeline_microbatches() if dist.pp > 1 else 1
-        parts = dist.dp * t.grad_accum * micro
+        parts = (dist.ep if dist.resolved_strategy() == "expert" else dist.dp) * t.grad_accum * micro
         if d.batch_size % parts:
             raise ConfigError(f"data.batch_size ({d.batch_size}) must be divisible by dp*grad_accum*microbatches ({parts})")
         if dist.pp > 1 and micro < dist.pp:

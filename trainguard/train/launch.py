@@ -16,7 +16,7 @@ def under_launcher() -> bool:
 
 
 def needs_launch(cfg) -> bool:
-    return cfg.distributed.dp * cfg.distributed.pp > 1 and not under_launcher()
+    return cfg.distributed.world_size() > 1 and not under_launcher()
 
 
 def launch_command(nproc: int, cli_args: list[str]) -> list[str]:
@@ -26,7 +26,7 @@ def launch_command(nproc: int, cli_args: list[str]) -> list[str]:
 
 def relaunch(cfg, cli_args: list[str]) -> int:
     """Run ``trainguard <cli_args>`` in dp*pp processes; the children inherit stdout/stderr."""
-    nproc = cfg.distributed.dp * cfg.distributed.pp
+    nproc = cfg.distributed.world_size()
     env = dict(os.environ)
     # torchrun warns and forces 1 thread when unset; choose a fair share of the cores instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

@@ -160,7 +160,7 @@ class DMREngine:
         self._handles.append(opt.register_step_post_hook(lambda *a: self._set_optimizer(False)).remove)
         trainer.step_contexts.append(self.step_context)  # after the injector's (it inserts itself first)
         self._handles.append(trainer.strategy.add_window_hook(self.window))
-        self.deferrable = trainer.strategy.name == "pipeline"  # a strategy with idle windows to defer into
+        self.deferrable = trainer.strategy.name in ("pipeline", "expert")  # strategies with idle windows
         self._handles.append(trainer.add_guard(DMRGuard(self)))
         trainer.metric_sources.append(self.metrics)
         self._world = trainer.world

@@ -20,6 +20,10 @@ def build_strategy(cfg) -> Strategy:
         from trainguard.train.parallel.pipeline import PipelineStrategy
 
         return PipelineStrategy()
+    if name == "expert":
+        from trainguard.train.parallel.expert import ExpertParallelStrategy
+
+        return ExpertParallelStrategy()
     if name == "elastic":
         from trainguard.train.parallel.elastic import ElasticStrategy
 
