@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_map
 from trainguard.errors import SuspectedHardwareFault
 from trainguard.faults.injector import checker_execution
 from trainguard.sdc.dmr import ops as dops
+from trainguard.sdc.dmr.agc import StaleInput, Tape
 from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.dynamic import DynamicPlanner, Entry
 from trainguard.sdc.dmr.plan import Plan
@@ -116,7 +117,7 @@ def _rss_bytes() -> int:
 class DMREngine:
     def __init__(self, cfg: DMRConfig | None = None, plan: Plan | None = None):
         self.cfg = (cfg or DMRConfig(enabled=True)).validate()
-        self.plan = plan
+        self._plan = plan
         self.active = self.cfg.system != "none"
         self.rtol: dict[str, float] = {}  # tolerance mode: per op name (from a determinism report)
         self.calibration: dict[str, float] | None = None  # set while recording a determinism report
@@ -142,7 +143,17 @@ class DMREngine:
         self.deferrable = False
         self._model = None
         self.dynamic = DynamicPlanner(self.budget_bytes or 2**40)
+        self._index_plan()
         self._reset_attempt()
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        self._plan = plan
+        self._index_plan()
 
     # ---- wiring ----------------------------------------------------------------------------------
     def attach(self, trainer) -> DMREngine:
@@ -214,6 +225,7 @@ class DMREngine:
         self._last_seq = -1
         self._micro = -1
         self._records: list[OpRecord] = []
+        self._tapes: dict[str, Tape] = {}
         self._window_records: list[Window] = []
         self._t0 = time.perf_counter()
         self._curve: list[tuple[float, int]] = []
@@ -299,7 +311,7 @@ class DMREngine:
         if self.plan is not None:
             a = self.plan.assignment(op_id)
             if a is not None:
-                if a.strategy in _DEFERRED:  # (an AGC segment's ops are deferred into its window op by op)
+                if a.strategy in _DEFERRED:  # (an AGC segment's ops are checked by its replay in its window)
                     return a.strategy, a.window
                 if a.strategy == "p-dmr" and in_segment:
                     return "p-dmr", None
@@ -347,7 +359,9 @@ class DMREngine:
             if self._profiling:
                 return self._record(func, args, kwargs, "F", phase, op_id, dynamic, recompute_of=twin[0] if twin else None)
             if twin is not None and twin[2] is not None:  # the forward op's P-DMR checker execution
-                return self._pdmr_check(twin, func, args, kwargs)
+                out = self._pdmr_check(twin, func, args, kwargs)
+                self._tape_alias(op_id, twin[0], out)
+                return out
         else:
             op_id = self._next_id(phase, dynamic)
         if self._profiling:
@@ -363,24 +377,76 @@ class DMREngine:
         if self.cfg.coverage:
             self.coverage.append((op_id, name, phase, strategy, window))
         self.counts[strategy] += 1
+        if strategy == "agc" and (dops.written_args(func, args, kwargs) or inf.random):
+            strategy = "naive"  # an in-place or random op cannot be replayed from a tape: checked at once
         if strategy == "p-dmr":
             out = _primary(func, args, kwargs)
             seg.records.append((op_id, name, self._fp(out)))
-            self._own(phase, op_id, dynamic)
-            return out
-        if in_segment:
-            seg.records.append((op_id, name, None))  # (checked otherwise; keeps the recompute aligned)
-        if strategy == "optimizer":
-            return self._verified_optimizer(op_id, func, args, kwargs)
-        if strategy in ("d-inter", "d-intra", "agc", "dynamic"):
-            out = self._defer(op_id, phase, strategy, window, func, args, kwargs)
         else:
-            out = self._naive(op_id, phase, func, args, kwargs, repair=phase == "optimizer")
+            if in_segment:
+                seg.records.append((op_id, name, None))  # (checked otherwise; keeps the recompute aligned)
+            if strategy == "optimizer":
+                return self._verified_optimizer(op_id, func, args, kwargs)
+            if strategy == "agc":
+                out = _primary(func, args, kwargs)  # checked by its segment's replay
+            elif strategy in ("d-inter", "d-intra", "dynamic"):
+                out = self._defer(op_id, phase, strategy, window, func, args, kwargs)
+            else:
+                out = self._naive(op_id, phase, func, args, kwargs, repair=phase == "optimizer")
         if const:
             for t in dops.tensors(out):
                 self._const[id(t)] = t
+        if phase == "recompute" and op_id.startswith("recompute:"):
+            self._tape_alias(op_id, op_id[len("recompute:"):], out)
+        else:
+            self._tape_record(op_id, func, args, kwargs, out, strategy)
         self._own(phase, op_id, dynamic)
         return out
+
+    # ---- AGC segments (replayed from their boundary tensors, agc.py) ------------------------------
+    def _index_plan(self) -> None:
+        """Which ops each AGC segment of the plan tapes (its forward and gradient ops)."""
+        self._agc_of: dict[str, Any] = {}
+        for a in (self.plan.agc_segments if self.plan is not None else []):
+            for op in (*a.forward_ops, *a.bw_ops):
+                self._agc_of[op] = a
+
+    def _tape(self, a) -> Tape:
+        tape = self._tapes.get(a.id)
+        if tape is None:
+            tape = self._tapes[a.id] = Tape(a.id, a.window, len(a.forward_ops) + len(a.bw_ops))
+        return tape
+
+    def _tape_record(self, op_id: str, func, args, kwargs, out, strategy: str) -> None:
+        a = self._agc_of.get(op_id)
+        if a is None:
+            return
+        if strategy == "naive" and op_id in a.ops:  # could not be taped (in place or random): others read it as boundary
+            self._tape(a).seen.add(op_id)
+            return
+        self._tape(a).record(op_id, func, args, kwargs, out, self._fp, self._is_param, self._produced_here)
+
+    def _tape_alias(self, op_id: str, twin: str, out) -> None:
+        a = self._agc_of.get(twin)
+        if a is None:
+            return
+        tape = self._tape(a)
+        e = tape.entry_of(twin)
+        if e is not None:
+            tape.alias(op_id, e.out_slots, out, self._fp)
+
+    def _replay(self, tape: Tape, where: str) -> None:
+        try:
+            bad = tape.replay(self._fp, self._agree)
+        except StaleInput:
+            self.counts["stale"] += 1
+            self.totals["stale"] += 1
+            return
+        except Exception as err:  # a replay that cannot run is a detection, not a crash of the step
+            bad = f"{tape.seg_id} (replay failed: {type(err).__name__})"
+        self.counts[f"agc-replayed-in-{where.split(':')[0]}"] += 1
+        if bad is not None:
+            self._mismatch(bad, "agc-segment", "backward", "agc", f"AGC segment {tape.seg_id} replay differs")
 
     def _owner(self, phase: str) -> tuple[str, str, bool, int] | None:
         """For backward ops: the forward (or recompute) op whose autograd node is running."""
@@ -593,7 +659,8 @@ class DMREngine:
                 self._window_records.append(Window(wid, kind, t0 - self._t0, time.perf_counter() - t0, self._last_op,
                                                    dynamic=kind == "ep"))
         todo = [d for d in self.queue if d.window == wid] + [d for d in self.queue if d.window is None]
-        if not todo and not self.dynamic.queue:
+        tapes = [t for t in self._tapes.values() if t.window == wid and t.complete and not t.replayed]
+        if not todo and not tapes and not self.dynamic.queue:
             return wait()
         closed = threading.Event()
         ran: list[Deferred] = []
@@ -601,6 +668,9 @@ class DMREngine:
         def work() -> None:
             _CHECKING.active = True
             with checker_execution():
+                for tape in tapes:  # planned for this window: they all run
+                    tape.replayed = True
+                    self._replay(tape, kind)
                 for d in todo:
                     if closed.is_set() and d.window != wid:
                         break
@@ -646,6 +716,10 @@ class DMREngine:
             with checker_execution():
                 for d in todo:
                     self._check(d, "drain")
+                for tape in self._tapes.values():
+                    if not tape.replayed:
+                        tape.replayed = True
+                        self._replay(tape, "drain")
                 self.dynamic.drain()
         finally:
             _CHECKING.active = False
