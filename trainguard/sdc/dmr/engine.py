@@ -302,8 +302,9 @@ class DMREngine:
 
     # ---- strategy choice -------------------------------------------------------------------------
     def strategy_for(self, op_id: str, phase: str, name: str, dynamic: bool, in_segment: bool) -> tuple[str, str | None]:
-        if phase == "optimizer":
-            return ("optimizer" if name in _FUSED_OPTIMIZERS else "naive"), None
+        if phase == "optimizer":  # (ops over lists of tensors: in cache-sized pieces)
+            return ("optimizer" if name in _FUSED_OPTIMIZERS or (name.startswith("aten._foreach_") and
+                    name.split(".")[1].endswith("_")) else "naive"), None
         if self.cfg.system == "naive":
             return "naive", None
         if dynamic and self.deferrable:
@@ -566,27 +567,45 @@ class DMREngine:
         return dops.Fingerprint.of(a, floats=True).matches(dops.Fingerprint.of(b, floats=True), rtol)
 
     def _verified_optimizer(self, op_id: str, func, args, kwargs) -> Any:
-        """The fused AdamW/Adam update, verified chunk by chunk (see the module docstring)."""
+        """An update-stage op over lists of tensors (the fused AdamW, clipping's ``_foreach_mul_``) verified in
+        cache-sized pieces: every list argument is cut into flat slices of the same elements and each piece
+        runs as its own call (these ops are elementwise, so each element's result is bitwise the same).
+        Each piece is copied, run, checked and, on a mismatch, repaired while it is still in cache: the
+        copies cost no memory bandwidth to speak of and no copy of the whole optimizer state is made."""
         schema = func._schema.arguments
         names = [a.name for a in schema]
         bound = {n: (args[i] if i < len(args) else kwargs.get(n)) for i, n in enumerate(names)}
-        lists = [n for n, a in zip(names, schema) if isinstance(bound.get(n), (list, tuple))]
+        lists = [n for n in names if isinstance(bound.get(n), (list, tuple)) and len(bound[n])]
+        sliced = [n for n in lists if all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.is_contiguous()
+                                          and t.numel() == bound[lists[0]][i].numel() for i, t in enumerate(bound[n]))]
         params = bound[lists[0]]
-        chunk_elems = max(1, int(self.cfg.optimizer_chunk_mb * 2**20 / 4))
-        start = 0
-        while start < len(params):
-            end, n = start, 0
-            while end < len(params) and (n == 0 or n + params[end].numel() <= chunk_elems):
-                n += params[end].numel()
-                end += 1
-            part = {k: (list(v[start:end]) if k in lists else v) for k, v in bound.items()}
+        # a multiple of 1024 elements: every piece starts on a vector boundary, so the kernel's vectorised loop
+        # and scalar tail handle the same elements as in one call (an FMA and a mul+add round differently)
+        chunk = max(1024, int(self.cfg.optimizer_chunk_mb * 2**20 / 4) // 1024 * 1024)
+        # the fused kernel writes the gradients only to unscale them (grad_scale): otherwise they are inputs
+        read_only = ("grads",) if bound.get("grad_scale") is None and bound.get("found_inf") is None else ()
+        pieces: list[tuple[int, int, int]] = []  # (tensor index, first element, end)
+        for i, p in enumerate(params):
+            n = p.numel() if (sliced and lists[0] in sliced) else 1
+            pieces += [(i, lo, min(lo + chunk, n)) for lo in range(0, n, chunk)] if n > 1 else [(i, 0, n)]
+        k = 0
+        while k < len(pieces):
+            group, size = [], 0
+            while k < len(pieces) and (not group or size + pieces[k][2] - pieces[k][1] <= chunk):
+                group.append(pieces[k])
+                size += pieces[k][2] - pieces[k][1]
+                k += 1
+            part = dict(bound)
+            for n in lists:
+                if n in sliced:
+                    part[n] = [bound[n][i].view(-1)[lo:hi] for i, lo, hi in group]
+                else:  # (per-tensor scalars such as AdamW's step counters: one per piece, not cut)
+                    part[n] = [bound[n][i] for i, _, _ in group]
             pos = tuple(part[a.name] for a in schema if not a.kwarg_only)
             kw = {a.name: part[a.name] for a in schema if a.kwarg_only and part.get(a.name) is not None}
-            # the fused kernel writes the gradients only to unscale them (grad_scale): otherwise they are inputs
-            read_only = ("grads",) if part.get("grad_scale") is None and part.get("found_inf") is None else ()
-            self._naive(f"{op_id}/{start}", "optimizer", func, pos, kw, repair=True, read_only=read_only)
+            self._naive(f"{op_id}/{group[0][0]}.{group[0][1]}", "optimizer", func, pos, kw, repair=True,
+                        read_only=read_only)
             self.counts["optimizer-chunks"] += 1
-            start = end
         return None
 
     def _mismatch(self, op_id: str, name: str, phase: str, strategy: str, detail: str) -> None:

@@ -93,6 +93,12 @@ def flat(value: Any) -> list[Any]:
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):  # the common cases, without a pytree walk
+        return [value]
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    if value is None:
+        return []
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -109,6 +115,8 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 
 def bitwise_equal(a: Any, b: Any) -> bool:
     """Outputs of two executions are bitwise identical (pytrees of tensors; non-tensors compared with ==)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(int_view(a), int_view(b))
     fa, spec_a = tree_flatten(a)
     fb, spec_b = tree_flatten(b)
     if spec_a != spec_b or len(fa) != len(fb):
