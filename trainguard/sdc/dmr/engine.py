@@ -346,7 +346,11 @@ class DMREngine:
             if self.cfg.coverage:
                 self.coverage.append(("-", inf.name, self.phase(), inf.kind, None))
             self.counts[inf.kind] += 1
-            return _primary(func, args, kwargs)
+            out = _primary(func, args, kwargs)
+            if inf.kind == "view" and self._profiling:  # a view's backward node differentiates the op it views
+                phase = self.phase()
+                self._own(phase, self._last_op, False)
+            return out
         phase = self.phase()
         name = inf.name
         seg = self._segments[-1][0] if self._segments else None
