@@ -54,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from trainguard.errors import SuspectedHardwareFault
+from trainguard.faults.injector import _CHECKER as _INJECTOR_FLAG  # the flag checker_execution() sets
 from trainguard.faults.injector import checker_execution
 from trainguard.sdc.dmr import ops as dops
 from trainguard.sdc.dmr.agc import StaleInput, Tape
@@ -331,12 +332,16 @@ class DMREngine:
             return func(*args, **kwargs)
         # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
         # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
-        with checker_execution():
+        before = getattr(_INJECTOR_FLAG, "active", False)
+        _INJECTOR_FLAG.active = True  # (checker_execution(), without a context manager per op)
+        try:
             out = self._dispatch(func, args, kwargs)
-            if self.deferrable:
-                for t in dops.tensors(out):
-                    self._produced[id(t)] = t
-            return out
+        finally:
+            _INJECTOR_FLAG.active = before
+        if self.deferrable:
+            for t in dops.tensors(out):
+                self._produced[id(t)] = t
+        return out
 
     def _dispatch(self, func, args: tuple, kwargs: dict) -> Any:
         inf = dops.info(func)
@@ -479,7 +484,7 @@ class DMREngine:
         out = _primary(func, args, kwargs)  # the recompute: the checker execution of its forward twin
         self.counts["p-dmr-checked"] += 1
         op_id, name, expect = twin
-        if name != str(func):
+        if name != dops.info(func).name:
             self._mismatch(op_id, name, "forward", "p-dmr", f"recompute ran {func} where the forward ran {name}")
         elif not self._agree(name, expect, self._fp(out)):
             self._mismatch(op_id, name, "forward", "p-dmr", "forward and recompute differ")
@@ -487,8 +492,8 @@ class DMREngine:
         return out
 
     def _copy(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
-        """A copy of ``t`` in a buffer kept across steps (update-stage ops repeat every step: reusing their
-        workspace avoids allocating, and on CPU page-faulting, the optimizer state's size every step)."""
+        """A copy of ``t`` in a buffer kept across pieces and steps (no allocation per piece; the same few
+        cache-sized buffers serve every piece of the update stage)."""
         buf = self._ws.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device or \
                 buf.stride() != t.stride():
@@ -500,8 +505,9 @@ class DMREngine:
         checker_args = checker_kwargs = pre = None
         if written:
             if repair:  # update-stage ops: persistent workspaces
-                copies = {id(t): self._copy((op_id, i, "checker"), t) for i, t in enumerate(written)}
-                pre = [self._copy((op_id, i, "pre"), t) for i, t in enumerate(written)]
+                # keyed by position and shape, not by op: consecutive pieces reuse the same (cache-resident) buffers
+                copies = {id(t): self._copy((i, "checker", t.shape, t.dtype), t) for i, t in enumerate(written)}
+                pre = [self._copy((i, "pre", t.shape, t.dtype), t) for i, t in enumerate(written)]
             else:
                 copies = {id(t): t.clone() for t in written}
             remap = lambda v: copies.get(id(v), v) if isinstance(v, torch.Tensor) else v
@@ -541,7 +547,7 @@ class DMREngine:
         if repair:  # the update is under way: it cannot be rolled back, and three executions gave three results
             raise SuspectedHardwareFault(f"three executions of {func} in the update stage of step {self.step} all "
                                          f"differ ({op_id}): this device does not compute reliably")
-        self._mismatch(op_id, str(func), phase, "naive", "primary and checker differ" if not written else
+        self._mismatch(op_id, dops.info(func).name, phase, "naive", "primary and checker differ" if not written else
                        "primary and checker writes differ")
         return out
 
@@ -562,10 +568,10 @@ class DMREngine:
 
     def _same(self, func, a, b) -> bool:
         if self.calibration is not None:
-            name = str(func)
+            name = dops.info(func).name
             self.calibration[name] = max(self.calibration.get(name, 0.0), dops.relative_gap(a, b))
             return True
-        rtol = self.rtol.get(str(func), 0.0)
+        rtol = self.rtol.get(dops.info(func).name, 0.0)
         if rtol <= 0:
             return dops.bitwise_equal(a, b)
         return dops.Fingerprint.of(a, floats=True).matches(dops.Fingerprint.of(b, floats=True), rtol)
@@ -645,7 +651,7 @@ class DMREngine:
                 raise _Stale
             return func(*keep[0], **keep[1])
 
-        d = Deferred(op_id, str(func), phase, strategy, window, run, self._fp(out), nbytes, est)
+        d = Deferred(op_id, dops.info(func).name, phase, strategy, window, run, self._fp(out), nbytes, est)
         if strategy == "dynamic":
             self.dynamic.enqueue(Entry(op_id, nbytes, est, lambda d=d: self._check(d, "dynamic")))
         else:
@@ -760,14 +766,14 @@ class DMREngine:
         owner = self._owner(phase)
         if kind is None:
             kind = {"forward": "F", "recompute": "F", "optimizer": "O"}.get(phase, "B")
-            if kind == "B" and any(tuple(t.shape) in self._param_shapes for t in outs) and str(func).startswith(
+            if kind == "B" and any(tuple(t.shape) in self._param_shapes for t in outs) and dops.info(func).name.startswith(
                     ("aten.mm", "aten.sum", "aten.bmm", "aten.embedding_dense_backward")):
                 kind = "W"
         module = self.module() if phase in ("forward", "recompute") else ""
         block = self._block_of(module) if module else (owner[1] if owner else "")
         seg = self._segments[-1][0] if self._segments and phase in ("forward", "recompute") else None
         rec = OpRecord(
-            id=op_id, name=str(func), phase=phase if phase != "optimizer" or self._optimizer_phase else "optimizer",
+            id=op_id, name=dops.info(func).name, phase=phase if phase != "optimizer" or self._optimizer_phase else "optimizer",
             kind=kind, module=module, block=block, ac_segment=f"{seg.path}" if seg is not None else None,
             seg_index=(len(seg.records) - 1 if phase == "forward" else seg.cursor - 1) if seg is not None else -1,
             start_s=t0 - self._t0, time_s=dt,
@@ -820,8 +826,12 @@ class DMREngine:
 
 def _primary(func, args, kwargs):
     """The op's primary execution: an op of the step as far as the fault injector is concerned."""
-    with checker_execution(False):
+    before = getattr(_INJECTOR_FLAG, "active", False)
+    _INJECTOR_FLAG.active = False
+    try:
         return func(*args, **kwargs)
+    finally:
+        _INJECTOR_FLAG.active = before
 
 
 class _Stale(Exception):

@@ -117,6 +117,9 @@ def bitwise_equal(a: Any, b: Any) -> bool:
     """Outputs of two executions are bitwise identical (pytrees of tensors; non-tensors compared with ==)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and a.dtype == b.dtype and torch.equal(int_view(a), int_view(b))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b) and all(
+            isinstance(x, torch.Tensor) for x in (*a, *b)):
+        return all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(int_view(x), int_view(y)) for x, y in zip(a, b))
     fa, spec_a = tree_flatten(a)
     fb, spec_b = tree_flatten(b)
     if spec_a != spec_b or len(fa) != len(fb):
