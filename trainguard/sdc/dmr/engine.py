@@ -503,11 +503,19 @@ class DMREngine:
     def _naive(self, op_id: str, phase: str, func, args, kwargs, repair: bool = False, read_only: tuple = ()) -> Any:
         written = dops.written_args(func, args, kwargs, skip=read_only)
         checker_args = checker_kwargs = pre = None
+        third_args, third_kwargs = args, kwargs
         if written:
             if repair:  # update-stage ops: persistent workspaces
                 # keyed by position and shape, not by op: consecutive pieces reuse the same (cache-resident) buffers
                 copies = {id(t): self._copy((i, "checker", t.shape, t.dtype), t) for i, t in enumerate(written)}
                 pre = [self._copy((i, "pre", t.shape, t.dtype), t) for i, t in enumerate(written)]
+                # the inputs too: the checker and a tie-breaker must see what the primary saw, whatever happens
+                # to the live tensors after it (a corrupted input would otherwise win the vote)
+                ins = {id(t): self._copy((i, "input", t.shape, t.dtype), t) for i, t in
+                       enumerate(t for t in dops.tensors((args, kwargs)) if id(t) not in copies and t.dim() > 0)}
+                keep_in = lambda v: ins.get(id(v), v) if isinstance(v, torch.Tensor) else v
+                third_args, third_kwargs = tree_map(keep_in, args), tree_map(keep_in, kwargs)
+                copies.update(ins)
             else:
                 copies = {id(t): t.clone() for t in written}
             remap = lambda v: copies.get(id(v), v) if isinstance(v, torch.Tensor) else v
@@ -529,7 +537,7 @@ class DMREngine:
             for t, p in zip(written, pre):
                 t.copy_(p)
             rng.rewind()
-            out = func(*args, **kwargs)
+            out = func(*third_args, **third_kwargs)
             rng.forward()
             if self._same(func, written, checked) or self._same(func, written, primary):
                 # two of three executions agree: the written state is theirs (a checker fault keeps the primary)
