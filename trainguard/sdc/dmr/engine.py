@@ -59,6 +59,7 @@ from trainguard.faults.injector import checker_execution
 from trainguard.sdc.dmr import ops as dops
 from trainguard.sdc.dmr.agc import StaleInput, Tape
 from trainguard.sdc.dmr.config import DMRConfig
+from trainguard.sdc.dmr.determinism import load_tolerances
 from trainguard.sdc.dmr.dynamic import DynamicPlanner, Entry
 from trainguard.sdc.dmr.plan import Plan
 from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
@@ -123,8 +124,6 @@ class DMREngine:
         self.rtol: dict[str, float] = {}  # tolerance mode: per op name (from a determinism report)
         self.calibration: dict[str, float] | None = None  # set while recording a determinism report
         if self.cfg.compare == "tolerance" and self.cfg.determinism_report:
-            from trainguard.sdc.dmr.determinism import load_tolerances
-
             self.rtol = load_tolerances(self.cfg.determinism_report, self.cfg.tolerance_safety)
         self.totals: Counter = Counter()  # over the run
         self.profile: Profile | None = None  # the last profile recorded

@@ -9,7 +9,8 @@ from trainguard.train.parallel.ddp import DDPStrategy
 
 
 def build_strategy(cfg) -> Strategy:
-    """The strategy ``cfg.distributed`` asks for (``strategy = auto``: from dp, pp and the launcher)."""
+    """The strategy ``cfg.distributed`` asks for (``strategy = auto``: from dp, pp, ep and the launcher).
+    (Pipelining, expert parallelism and torchft are imported only by the runs that use them.)"""
     d = cfg.distributed
     name = d.resolved_strategy()
     if name == "single":
