@@ -60,7 +60,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, batches, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt_mod, "write_manifest", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match="cannot write checkpoint step 4 .*disk full"):
         t.save_checkpoint()
     monkeypatch.undo()
     mgr = CheckpointManager(ck)
