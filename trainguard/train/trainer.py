@@ -496,8 +496,12 @@ class Trainer:
         run's checkpoints, no intact one, or one whose config differs in the run's shape or data."""
         plan = self._plan_checkpoint_dir(apply=True) if self.is_main else None
         plan = self.strategy.broadcast_object(plan)
-        if plan is None:  # a strategy whose ranks decide alone (elastic replicas)
+        if plan is None:  # a strategy whose ranks decide alone (elastic replicas): read-only, the writer decides
             plan = self._plan_checkpoint_dir(apply=False)
+        if not self.strategy.spans_default_group() and self.world > 1:
+            # replicas without a shared group still write as one run: a run id all of them derive alike
+            self.run_id = _shared_run_id(self.cfg)
+            self.ckpt.run_id = self.run_id
         if plan.get("error"):
             raise CheckpointError(plan["error"])
         for text in plan.get("notes", []):
@@ -514,6 +518,8 @@ class Trainer:
             mgr.recover()
         found = mgr.checkpoints()
         if not cc.resume:
+            if not apply:
+                return {}
             if found and not cc.start_over:
                 runs = sorted({mgr.run_of(p) or "of an older version" for _, p in found})
                 return {"error": f"checkpoint.dir {mgr.dir} holds checkpoints of another run (run {', '.join(runs)}; "
@@ -754,6 +760,15 @@ def check_writable(path: Path, what: str) -> None:
         probe.unlink()
     except OSError as err:
         raise ConfigError(f"{what} {path} is not writable: {err.strerror or err}") from None
+
+
+def _shared_run_id(cfg) -> str:
+    """A run id every replica of one elastic run derives alike: from the sections that define the run."""
+    import hashlib
+
+    d = cfg.to_dict()
+    ident = {k: d.get(k) for k in ("model", "data", "train")} | {"checkpoint.dir": cfg.checkpoint.dir}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def _steps(found: list[tuple[int, Path]]) -> str:
