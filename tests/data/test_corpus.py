@@ -7,7 +7,6 @@ import pytest
 
 from trainguard.config import load_config
 from trainguard.data import DataConfig, PackedBatches, load_corpus
-from trainguard.data.corpus import split_documents
 from trainguard.errors import DataError
 
 
@@ -37,6 +36,8 @@ def test_one_file_corpus_through_the_trainer(tmp_path):
 
 
 def test_many_documents_are_split_whole_by_path(tmp_path):
+    from trainguard.data.corpus import split_documents
+
     docs = [(Path(f"doc{i}.txt"), f"document {i}\n".encode() * 20) for i in range(400)]
     train, val = split_documents(docs, 0.05)
     assert len(train) + len(val) == 400 and 0 < len(val) < 60
@@ -44,6 +45,8 @@ def test_many_documents_are_split_whole_by_path(tmp_path):
 
 
 def test_few_documents_are_split_within_each(tmp_path):
+    from trainguard.data.corpus import split_documents
+
     docs = [(Path(f"doc{i}.txt"), bytes([65 + i]) * 1000) for i in range(3)]
     train, val = split_documents(docs, 0.1)
     assert [len(p) for p in train] == [900] * 3 and [len(p) for p in val] == [100] * 3
