@@ -297,3 +297,25 @@ def test_generated_bad_input_is_one_line_and_exit_2(capsys, place, no_training, 
         cfg.write_bytes(payload)
         argv = ["train", str(cfg), *argv[1:]]
     one_line_exit_2(capsys, argv)
+
+
+def test_full_disk_is_one_line_exit_2_and_the_previous_checkpoint_survives(capsys, place, tmp_path, monkeypatch):
+    """Before: torch's zip writer reported ENOSPC as 'unexpected pos' in a traceback."""
+    from _disk import FullDisk
+
+    from trainguard.train.checkpoint import CheckpointManager, verify
+
+    disk = FullDisk(tmp_path / "disk", monkeypatch)
+    try:
+        ck = disk.path / "ck"
+        assert main(base(place) + ["--checkpoint.dir", str(ck), "--train.steps", "1"]) == 0
+        capsys.readouterr()
+        disk.fill()
+        rc = main(base(place) + ["--checkpoint.dir", str(ck), "--checkpoint.resume", "true", "--train.steps", "2"])
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if not line.startswith("trainguard: note: ")]  # "resuming ..."
+        assert rc == 2 and "Traceback" not in err and len(errors) == 1, err
+        assert "no space left on device" in errors[0] and "step_00000001 is intact" in errors[0]
+        verify(CheckpointManager(ck).latest())
+    finally:
+        disk.close()

@@ -172,7 +172,8 @@ class Trainer:
         self.strategy = strategy if strategy is not None else build_strategy(cfg)
         self.device = resolve_device(cfg, dist_env()[2])
         self.strategy.init(self)
-        check_output_folders(cfg, main=self.is_main)  # before any work: not at the first save, after training
+        if cfg.checkpoint.dir:  # before any work: not at the first save, after training (output.dir: in run())
+            check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
         if cfg.train.host_memory == "retain" and self.device.type == "cpu":
             retain_freed_memory()
         if self.world == 1 and cfg.distributed.dp > 1 and self.strategy.name in ("single", "ddp") and self.is_main:
@@ -587,6 +588,8 @@ class Trainer:
             self._note(f"run {self.run_id} is already finished: {self.resumed_from} is at step {start} and "
                        f"train.steps = {cfg.train.steps}; nothing to do (raise --train.steps to train further)")
             return summary
+        if self.is_main:
+            check_output_folders(cfg, checkpoints=False)
         metrics_path = out_dir / "metrics.jsonl" if (out_dir and cfg.output.metrics and self.is_main) else None
         tb_dir = out_dir / "tb" if (out_dir and cfg.output.tensorboard and self.is_main) else None
         logger = MetricsLogger(metrics_path, total_steps=end, log_every=cfg.train.log_every,
@@ -732,14 +735,14 @@ def _rng_for_this_host(rng: dict[str, Any], device: torch.device) -> dict[str, A
     return rng
 
 
-def check_output_folders(cfg, main: bool = True) -> None:
-    """One-line ConfigError unless ``checkpoint.dir`` (every rank writes its shard) and, on the main rank,
-    ``output.dir`` can be created and written: checked before training, not at the first save."""
-    if cfg.checkpoint.dir:
+def check_output_folders(cfg, checkpoints: bool = True) -> None:
+    """One-line ConfigError unless ``checkpoint.dir`` and ``output.dir`` can be created and written (and
+    TensorBoard, when asked for, can be imported): checked before training, not at the first save."""
+    if checkpoints and cfg.checkpoint.dir:
         check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
-    if main and cfg.output.dir:
+    if cfg.output.dir:
         check_writable(Path(cfg.output.dir), "output.dir")
-    if main and cfg.output.tensorboard:
+    if cfg.output.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401
         except ImportError:

@@ -110,14 +110,14 @@ def where_to_resume(cfg, args) -> str:
 def run(args) -> int:
     from trainguard.config import load_config
     from trainguard.train.launch import needs_launch, relaunch, report_from_child
+    from trainguard.train.trainer import check_output_folders
 
     cfg = load_config(args.config, args.overrides)
+    check_output_folders(cfg)  # an unwritable folder is found now, not at the first save after training
     if needs_launch(cfg):
         from trainguard.data import resolve_files
-        from trainguard.train.trainer import check_output_folders
 
         resolve_files(cfg.data.source)  # a missing corpus is one line here, not one per rank
-        check_output_folders(cfg)
         res = relaunch(cfg, cli_args(args))
         if res.message:
             sys.stderr.write(f"trainguard: error: {res.message}\n")
