@@ -119,7 +119,8 @@ def run_demo(steps: int = 200, protect: Callable[[Any], object] | None = None, *
         "protected": protect is not None,
         "injected_at_step": injector.fired_at if injector else None,
         "steps_run": summary.steps_run,
-        "first_nan_step": summary.first_nonfinite_step,
+        # a step index like injected_at_step (summaries count steps done: the step of index i is step i + 1)
+        "first_nan_step": None if summary.first_nonfinite_step is None else summary.first_nonfinite_step - 1,
         "first_loss": summary.first_loss,
         "final_loss": summary.final_loss,
         "val_loss": summary.val_loss,
