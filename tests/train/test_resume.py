@@ -190,3 +190,30 @@ def test_numpy_and_python_rng_states_resume_exactly(tmp_path, batches):
     want = (np.random.random(), random.random(), torch.rand(1))
     Trainer(tiny_cfg("--checkpoint.dir", ck, "--checkpoint.resume", "true"), batches=batches)
     assert (np.random.random(), random.random()) == want[:2] and torch.equal(torch.rand(1), want[2])
+
+
+def test_a_component_registered_after_the_resume_gets_its_saved_state(tmp_path, batches):
+    class Count:
+        def __init__(self):
+            self.n = 0
+
+        def on_step_start(self, trainer, step):
+            self.n += 1
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, sd):
+            self.n = sd["n"]
+
+    ck = str(tmp_path / "ck")
+    first = Trainer(tiny_cfg("--train.steps", "6", "--checkpoint.dir", ck), batches=batches)
+    c = Count()
+    first.register_state("count", c)
+    first.callbacks.append(c)
+    first.run(3)
+    resumed = Trainer(tiny_cfg("--train.steps", "6", "--checkpoint.dir", ck, "--checkpoint.resume", "true"),
+                      batches=batches)
+    late = Count()
+    resumed.register_state("count", late)  # (as a technique's setup does, after the trainer resumed)
+    assert late.n == 3

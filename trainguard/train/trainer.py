@@ -230,8 +230,14 @@ class Trainer:
         return lambda: self.guards.remove(guard) if guard in self.guards else None
 
     def register_state(self, name: str, component: Stateful) -> Callable[[], None]:
-        """Register a stateful component: snapshotted for retries, saved in checkpoints, sent when healing."""
-        return self.state.register(name, component)
+        """Register a stateful component: snapshotted for retries, saved in checkpoints, sent when healing.
+        A component registered after a resume (a technique switched on once the trainer exists) gets its saved
+        state at once."""
+        remove = self.state.register(name, component)
+        saved = getattr(self, "_resumed_components", {}).get(name)
+        if saved is not None:
+            component.load_state_dict(saved)
+        return remove
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -466,7 +472,8 @@ class Trainer:
         rng = by_rank[self.rank] if len(by_rank) == self.world else state.get("rng")
         if rng is not None:
             snap_mod.set_rng_state(_rng_for_this_host(rng, self.device))
-        self.state.load_state_dict(state.get("components", {}), strict=False)
+        self._resumed_components = dict(state.get("components", {}))  # for components registered later too
+        self.state.load_state_dict(self._resumed_components, strict=False)
         self._apply_configured_schedule()
         self.resumed_from = manifest["path"]
         if manifest.get("run_id"):
