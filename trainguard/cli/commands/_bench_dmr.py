@@ -29,6 +29,8 @@ def register_bench(subparsers) -> None:
     p.add_argument("--steps", type=int, default=2, help="timed steps per round and system (default 2)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    p.add_argument("--memory-budget-mb", type=float, default=0.0,
+                   help="memory the deferred checks may hold per rank ([sdc.dmr] memory_budget_mb; 0: its default)")
     add_json_flag(p)
     p.set_defaults(handler=run)
 
@@ -42,6 +44,8 @@ def _spec(args) -> dict:
         raise ConfigError(f"--idle-fraction must be in [0, 0.95), got {args.idle_fraction}")
     if args.pp < 1 or args.rounds < 1 or args.steps < 1 or args.warmup < 1:
         raise ConfigError("--pp, --rounds, --steps and --warmup must be >= 1")
+    if not args.memory_budget_mb >= 0:
+        raise ConfigError(f"--memory-budget-mb must be >= 0, got {args.memory_budget_mb}")
     overrides = ["--model.preset", args.model, "--data.seq_len", str(args.seq_len), "--data.batch_size", str(args.batch),
                  "--data.max_bytes", str(max(2_000_000, 64 * args.batch * (args.seq_len + 2))),
                  "--train.steps", "100000", "--train.eval_every", "0", "--train.activation_checkpoint", "full",
@@ -49,7 +53,7 @@ def _spec(args) -> dict:
     if args.pp > 1:
         overrides += ["--distributed.pp", str(args.pp), "--distributed.microbatches", str(args.microbatches)]
     return {"overrides": overrides, "systems": systems, "idle_fraction": args.idle_fraction, "rounds": args.rounds,
-            "steps": args.steps, "warmup": args.warmup}
+            "steps": args.steps, "warmup": args.warmup, "memory_budget_mb": args.memory_budget_mb}
 
 
 def run(args) -> int:

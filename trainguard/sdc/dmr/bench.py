@@ -62,8 +62,10 @@ def _set_system(engine, trainer, system: str, plans: dict | None = None) -> None
         engine.plan = plans[PHASES[system]]
 
 
-def _timed_steps(trainer, n: int) -> tuple[list[float], float]:
-    """Step wall times and the share of them spent waiting on pipeline transfers."""
+def _timed_steps(trainer, n: int, engine=None, where: dict | None = None) -> tuple[list[float], float]:
+    """Step wall times and the share of them spent waiting on pipeline transfers. With ``engine`` and
+    ``where``: per step, where the checkers' time went (``overrun_s``: the step waited at the end of a window
+    for the checkers planned there; ``drain_s``: checkers left for the end of the iteration)."""
     sched = getattr(trainer.strategy, "schedule", None)
     w0 = getattr(sched, "wait_s", 0.0)
     times = []
@@ -71,15 +73,28 @@ def _timed_steps(trainer, n: int) -> tuple[list[float], float]:
         t0 = time.perf_counter()
         trainer.train_step()
         times.append(time.perf_counter() - t0)
+        if engine is not None and where is not None:
+            where.setdefault("overrun_s", []).append(sum(w[2] for w in engine.window_log))
+            where.setdefault("drain_s", []).append(engine.drain_s)
     waited = getattr(sched, "wait_s", 0.0) - w0
     return times, waited / max(sum(times), 1e-9)
+
+
+def _naive_by_phase(plan) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for o in plan.ops.values():
+        if o.strategy == "naive":
+            d = out.setdefault(o.phase, {"ops": 0, "time_s": 0.0})
+            d["ops"] += 1
+            d["time_s"] += o.time_s
+    return out
 
 
 def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec.get("threads", 1))
     cfg = TrainerConfig.load(None, spec["overrides"])
     trainer = Trainer(cfg, progress=False)
-    engine = attach(trainer, DMRConfig(enabled=True, system="none"))
+    engine = attach(trainer, DMRConfig(enabled=True, system="none", memory_budget_mb=spec.get("memory_budget_mb", 0.0)))
     systems = spec.get("systems", list(SYSTEMS))
     # warm-up (and calibration of the emulated link) on No-DMR
     _set_system(engine, trainer, "none")
@@ -102,15 +117,15 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     # profile one step (then re-executed under the plan) and plan it once per phase set
     _set_system(engine, trainer, "sparetrain")
     trainer.train_step()
-    plans = {p: plan_static(engine.profile, PlannerConfig(phases=p)) for p in PHASES.values()} \
+    plans = {p: plan_static(engine.profile, PlannerConfig(phases=p, keep_outputs=not engine.cfg.fingerprints)) for p in PHASES.values()} \
         if engine.profile is not None else None
-    per: dict[str, dict[str, list]] = {s: {"times": [], "idle": [], "rss": []} for s in systems}
+    per: dict[str, dict[str, list]] = {s: {"times": [], "idle": [], "rss": [], "where": {}} for s in systems}
     rounds, steps = spec.get("rounds", 3), spec.get("steps", 3)
     for r in range(rounds):
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for s in order:
             _set_system(engine, trainer, s, plans)
-            t, idle = _timed_steps(trainer, steps)
+            t, idle = _timed_steps(trainer, steps, engine, per[s]["where"])
             per[s]["times"] += t
             per[s]["idle"].append(idle)
             per[s]["rss"].append(_rss_bytes())
@@ -124,11 +139,14 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         "rank": trainer.rank, "strategy": trainer.strategy.name, "link_delay_ms": delay * 1000,
         "emulated_link": delay > 0, "tokens_per_step": tokens,
         "systems": {s: {"tokens_per_s": tokens / statistics.median(v["times"]), "step_s": statistics.median(v["times"]),
-                        "idle_fraction": statistics.median(v["idle"]), "peak_rss_bytes": max(v["rss"])}
+                        "idle_fraction": statistics.median(v["idle"]), "peak_rss_bytes": max(v["rss"]),
+                        **{f"checker_{k}": statistics.median(x) for k, x in v["where"].items()}}
                     for s, v in per.items()},
         "coverage": coverage["coverage"], "compute_ops": coverage["compute_ops"], "by_strategy": coverage["by_strategy"],
         "detected": engine.totals["detected"] - 0,
         "plan_summary": {str(k): v.summary for k, v in (plans or {}).items()},
+        # what the full plan still checks naively (on the critical path), by phase: ops and profiled time
+        "plan_naive_by_phase": _naive_by_phase(plans[PHASES["sparetrain"]]) if plans else {},
     }
     trainer.close()
     return out

@@ -22,10 +22,15 @@ class DMRConfig:
     compare: Literal["bitwise", "tolerance"] = setting(
         "bitwise", help="bitwise where kernels are deterministic (CPU); tolerance: per-op bounds from a clean-run "
         "determinism report")
-    fingerprints: bool = setting(True, help="compare compact fingerprints for deferred and piggyback checks (less memory)")
-    memory_budget_mb: float = setting(0.0, help="memory the deferred checks may hold (0: 25% of the measured peak)")
-    optimizer_chunk_mb: float = setting(0.25, help="update-stage ops (fused AdamW, clipping) are verified in pieces of "
-                                        "this many MB of each tensor list (cache-sized: the copies stay in cache)")
+    fingerprints: bool = setting(True, help="compare exact checksums of the outputs (every check; a deferred "
+                                 "one keeps no copy of its output). false: naive checks compare element by element "
+                                 "and deferred ones keep a copy of the output")
+    memory_budget_mb: float = setting(0.0, help="memory the deferred checks may hold (0: half the memory free "
+                                      "when the plan is made: device memory on CUDA, the host's share per local rank on CPU)")
+    optimizer_chunk_mb: float = setting(2.0, help="update-stage ops (fused AdamW, clipping) are verified in pieces of "
+                                        "this many MB of each tensor list (the piece's copies stay in the last-level "
+                                        "cache; on a 32 MB L3, 0.25 MB pieces cost llama-60m 0.4 s more per step in "
+                                        "Python overhead than 1-4 MB ones)")
     plan: str = setting("", help="a DMR plan JSON (trainguard plan dmr --out); empty: profile and plan at the start")
     profile_steps: int = setting(1, help="steps profiled before planning (they run with naive DMR)")
     determinism_report: str = setting("", help="tolerance mode: a determinism report JSON (from a clean run)")

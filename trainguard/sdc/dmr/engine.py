@@ -103,9 +103,22 @@ class Deferred:
     strategy: str
     window: str | None
     run: Callable[[], Any]
-    expect: dops.Fingerprint
+    expect: Any  # dops.Fingerprint, or a copy of the output ([sdc.dmr] fingerprints = false)
     nbytes: int
     est_s: float = 0.0
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    """Memory this rank may still use: free device memory on CUDA; on CPU the host's available memory
+    shared by the ranks on it (LOCAL_WORLD_SIZE). 0 when unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in fh}
+        return info.get("MemAvailable", 0) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _rss_bytes() -> int:
@@ -218,7 +231,8 @@ class DMREngine:
         self.coverage: list[tuple[str, str, str, str, str | None]] = []  # (op id, name, phase, strategy, window)
         self._ids: Counter = Counter()
         self._windows: Counter = Counter()
-        self.window_log: list[tuple[str, float]] = []
+        self.window_log: list[tuple[str, float, float]] = []  # (window, wait s, overrun s) of this attempt
+        self.drain_s = 0.0  # time the end-of-iteration drain ran checkers on the main thread
         self._const: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> tensor
         self._produced: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # outputs of this attempt
         self._seq_owner: dict[int, tuple[str, str, bool, int]] = {}  # autograd seq -> (op id, block, dynamic, micro)
@@ -580,7 +594,7 @@ class DMREngine:
             return True
         rtol = self.rtol.get(dops.info(func).name, 0.0)
         if rtol <= 0:
-            return dops.bitwise_equal(a, b)
+            return dops.checksums_equal(a, b) if self.cfg.fingerprints else dops.bitwise_equal(a, b)
         return dops.Fingerprint.of(a, floats=True).matches(dops.Fingerprint.of(b, floats=True), rtol)
 
     def _verified_optimizer(self, op_id: str, func, args, kwargs) -> Any:
@@ -658,7 +672,12 @@ class DMREngine:
                 raise _Stale
             return func(*keep[0], **keep[1])
 
-        d = Deferred(op_id, dops.info(func).name, phase, strategy, window, run, self._fp(out), nbytes, est)
+        # the output's fingerprint, or (``fingerprints = false``) a copy of it, counted against the budget
+        expect = self._fp(out) if self.cfg.fingerprints else tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+        if not self.cfg.fingerprints:
+            nbytes += sum(t.numel() * t.element_size() for t in dops.tensors(expect))
+        d = Deferred(op_id, dops.info(func).name, phase, strategy, window, run, expect, nbytes, est)
         if strategy == "dynamic":
             self.dynamic.enqueue(Entry(op_id, nbytes, est, lambda d=d: self._check(d, "dynamic")))
         else:
@@ -720,15 +739,18 @@ class DMREngine:
         try:
             return wait()
         finally:
-            self.window_log.append((wid, time.perf_counter() - t0))
+            t1 = time.perf_counter()
             closed.set()
             worker.join()
+            # (window, time the communication took, time the step then waited for the checkers planned there)
+            self.window_log.append((wid, t1 - t0, time.perf_counter() - t1))
             done = {id(d) for d in ran}
             self.queue = [d for d in self.queue if id(d) not in done]
 
     def _check(self, d: Deferred, where: str) -> None:
         try:
-            got = self._fp(d.run())
+            got = d.run()
+            got = self._fp(got) if isinstance(d.expect, dops.Fingerprint) else got
         except _Stale:
             self.counts["stale"] += 1  # an input changed in place: not checkable, counted against coverage
             self.totals["stale"] += 1
@@ -736,7 +758,9 @@ class DMREngine:
         except Exception as err:  # a checker that cannot run is a detection, not a crash of the step
             self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"checker failed: {err}")
             got = None
-        if got is not None and not self._agree(d.name, d.expect, got):
+        agree = (lambda: self._agree(d.name, d.expect, got)) if isinstance(d.expect, dops.Fingerprint) else (
+            lambda: dops.bitwise_equal(d.expect, got))
+        if got is not None and not agree():
             self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"deferred check ({where}) differs")
         with self._lock:
             if d.strategy != "dynamic":
@@ -748,6 +772,7 @@ class DMREngine:
         todo, self.queue = self.queue, []
         self.queued_bytes = 0
         _CHECKING.active = True
+        t0 = time.perf_counter()
         try:
             with checker_execution():
                 for d in todo:
@@ -759,6 +784,7 @@ class DMREngine:
                 self.dynamic.drain()
         finally:
             _CHECKING.active = False
+            self.drain_s += time.perf_counter() - t0
 
     # ---- profiling -------------------------------------------------------------------------------
     def _record(self, func, args, kwargs, kind: str | None, phase: str, op_id: str | None, dynamic: bool,
@@ -800,14 +826,18 @@ class DMREngine:
         """The profile of the attempt just recorded, and the plan made from it (kept as ``self.plan``)."""
         curve = self._curve
         peak = max((b for _, b in curve), default=_rss_bytes())
-        headroom = int(self.cfg.memory_budget_mb * 2**20) or peak // 4
+        # The paper's budget is the device's memory: by default the checks may hold half of what is free now
+        # (the rest stays for the run's own growth); the planner's count of retained inputs is conservative
+        # (inputs autograd keeps anyway count too), and the peak reached is reported by bench dmr.
+        headroom = int(self.cfg.memory_budget_mb * 2**20) or (_free_memory_bytes(trainer.device) // 2 or peak // 4)
         blocks = list(dict.fromkeys(r.block for r in self._records if r.block))
         self.profile = Profile(model=getattr(trainer.cfg.model, "preset", ""), strategy=trainer.strategy.name,
                                rank=trainer.rank, stage=getattr(trainer.strategy, "stage", 0),
                                iteration_s=time.perf_counter() - self._t0, memory_budget_bytes=peak + headroom,
                                peak_bytes=peak, memory_curve=curve or [(0.0, peak)], blocks=blocks,
                                ops=self._records, windows=self._window_records)
-        self.plan = plan_static(self.profile, PlannerConfig(phases=tuple(self.cfg.phases)))
+        self.plan = plan_static(self.profile, PlannerConfig(phases=tuple(self.cfg.phases),
+                                                            keep_outputs=not self.cfg.fingerprints))
         self.budget_bytes = self.budget_bytes or headroom
         self.dynamic = DynamicPlanner(int(self.plan.summary.get("dynamic_budget_bytes") or headroom))
         self._profiling = False

@@ -99,7 +99,25 @@ def tensors(value: Any) -> list[torch.Tensor]:
         return list(value)
     if value is None:
         return []
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    out: list[torch.Tensor] = []
+    _collect(value, out)
+    return out
+
+
+def _collect(value: Any, out: list[torch.Tensor]) -> None:
+    # (op arguments are tuples, lists and dicts of tensors and scalars: a plain walk is several times faster
+    # than torch's pytree, which every op of a DMR step would pay)
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _collect(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect(v, out)
+    elif not isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                                torch.memory_format)):
+        out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
@@ -111,6 +129,23 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     return t.view(_INT_VIEW[t.element_size()]) if t.is_floating_point() else t
+
+
+def checksums_equal(a: Any, b: Any) -> bool:
+    """Two executions' outputs agree in shape, dtype and :func:`word_sums` (a single differing element is
+    always caught; several differing elements escape only if their differences cancel in both sums). Two
+    passes of fast word sums cost less than one element-by-element comparison; non-tensor outputs are
+    compared exactly by :func:`bitwise_equal`."""
+    xs = [a] if isinstance(a, torch.Tensor) else (list(a) if isinstance(a, (list, tuple)) else None)
+    ys = [b] if isinstance(b, torch.Tensor) else (list(b) if isinstance(b, (list, tuple)) else None)
+    if xs is None or ys is None or len(xs) != len(ys) or not all(isinstance(t, torch.Tensor) for t in (*xs, *ys)):
+        return bitwise_equal(a, b)
+    if any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(xs, ys)):
+        return False
+    if not xs:
+        return True
+    return torch.equal(torch.stack([s for x in xs for s in word_sums(x)]),
+                       torch.stack([s for y in ys for s in word_sums(y)]))
 
 
 def bitwise_equal(a: Any, b: Any) -> bool:
@@ -135,9 +170,30 @@ def bitwise_equal(a: Any, b: Any) -> bool:
     return True
 
 
+def word_sums(t: torch.Tensor) -> list[torch.Tensor]:
+    """Two exact checksums of ``t``'s bits: the wrapping (mod 2^64) sum of its memory read as 64-bit words,
+    and of every 7th word. A change of any single element changes one word by +-2^k, so the first sum always
+    changes: one corrupted element is caught with certainty, like a full comparison. Integer addition mod
+    2^64 is associative, so the sums do not depend on the reduction order (threads, vector width).
+    Reading 64-bit words natively is ~10x faster than widening every element to int64 (memory-bound,
+    cache-hot outputs); tensors that cannot be read as words (odd sizes or offsets) take the widening path."""
+    v = t.detach()
+    if v.dtype == torch.bool:
+        v = v.view(torch.int8)
+    if v.is_complex():
+        v = torch.view_as_real(v)
+    v = v.contiguous().reshape(-1)
+    if v.numel() * v.element_size() % 8 == 0 and v.numel():
+        # (which sums are taken depends on shape and dtype only: a view at an odd offset is copied first)
+        w = v.view(torch.int64) if (v.storage_offset() * v.element_size()) % 8 == 0 else v.clone().view(torch.int64)
+        return [w.sum(), w[::7].sum()]
+    w = v.view(_INT_VIEW[v.element_size()]) if v.is_floating_point() else v
+    return [w.sum(dtype=torch.int64), w[::7].sum(dtype=torch.int64)]
+
+
 @dataclass(frozen=True)
 class Fingerprint:
-    """Per output tensor: shape and dtype, two exact integer sums (all elements; every 7th) and, for the
+    """Per output tensor: shape and dtype, two exact integer checksums (:func:`word_sums`) and, for the
     tolerance mode, the float64 sum and sum of |x|. The sums stay on the device until compared."""
 
     shapes: tuple
@@ -154,8 +210,7 @@ class Fingerprint:
         shapes = tuple((tuple(t.shape), t.dtype) for t in ts)
         parts = []
         for t in ts:
-            v = int_view(t).reshape(-1)
-            parts += [v.sum(dtype=torch.int64), v[::7].sum(dtype=torch.int64)]
+            parts += word_sums(t)
         fl = None
         if floats:
             fp = []

@@ -48,6 +48,9 @@ class PlannerConfig:
     use_dp_windows: bool = False  # Phase 3 may also defer into data-parallel windows (the paper does not)
     agc_max_forward_ops: int = 48  # longest forward range Phase 2 enumerates (bounds the O(n^3) search)
     knapsack_resolution: int = 2048  # time steps per window in the best-fit subset search
+    # A deferred check keeps its op's outputs too (the paper's model). The engine keeps only a fingerprint
+    # of them (``[sdc.dmr] fingerprints``), so it plans with False: the budget then holds more checks.
+    keep_outputs: bool = True
 
 
 def parse_phases(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -158,11 +161,11 @@ class _Timeline:
         return [(t, int(round(v))) for t, v in zip(self.grid, self.values())]
 
 
-def retained_bytes(op: OpRecord) -> int:
+def retained_bytes(op: OpRecord, keep_outputs: bool = True) -> int:
     """Bytes a deferred check of ``op`` keeps alive: its inputs (parameters excepted, they live anyway;
-    not for optimizer ops, which change them) and its outputs."""
+    not for optimizer ops, which change them) and, unless only a fingerprint of them is kept, its outputs."""
     inputs = op.in_bytes if op.kind == "O" else max(0, op.in_bytes - op.param_bytes)
-    return int(inputs + op.out_bytes)
+    return int(inputs + (op.out_bytes if keep_outputs else 0))
 
 
 # -- planning state ------------------------------------------------------------------------------------
@@ -522,7 +525,7 @@ def _demote(st: _State, queue: list[OpRecord], w: WindowLoad) -> list[OpRecord]:
     mem = tl.values()[sl]
     starts = np.array([o.start_s for o in queue])
     where = np.clip(np.searchsorted(tl.grid, starts, side="right") - 1 - sl.start, 0, len(mem) - 1)
-    nbytes = np.array([retained_bytes(o) for o in queue], dtype=float)
+    nbytes = np.array([retained_bytes(o, st.cfg.keep_outputs) for o in queue], dtype=float)
     cum = np.cumsum(np.bincount(where, weights=nbytes, minlength=len(mem)))
     order = sorted(range(len(queue)), key=lambda q: (queue[q].time_s, st.pos[queue[q].id]))  # shortest first
     alive = [True] * len(queue)
@@ -578,7 +581,7 @@ def phase3_queue(st: _State) -> None:
         strategy = "d-inter" if w.kind in ("pp", "dp") else "d-intra"
         for idx in picked:
             o = queue[idx]
-            nb = retained_bytes(o)
+            nb = retained_bytes(o, st.cfg.keep_outputs)
             st.assign(o.id, strategy, window=w.id)
             st.retained[o.id] = nb
             st.timeline.add(o.start_s, w.end_s, nb)

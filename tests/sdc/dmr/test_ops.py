@@ -1,0 +1,64 @@
+"""The checksums every DMR comparison rests on: one corrupted element, at any bit, in any dtype, layout or
+size, always changes them (they are compared instead of the outputs themselves)."""
+
+import pytest
+import torch
+
+from trainguard.sdc.dmr import ops as dops
+
+
+def _flip(t: torch.Tensor, index: int, bit: int) -> torch.Tensor:
+    out = t.clone()
+    flat = out.view(-1).view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
+    flat[index] ^= torch.tensor(1 << bit, dtype=torch.int64).to(flat.dtype) if bit < 8 * t.element_size() - 1 else \
+        torch.tensor(-(1 << bit), dtype=torch.int64).to(flat.dtype)  # (the sign bit of a signed view)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
+@pytest.mark.parametrize("n", [1, 3, 7, 8, 1001, 4096])
+def test_every_single_bit_flip_changes_the_checksums(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    t = (torch.randn(n, generator=g) * 100).to(dtype)
+    bits = 8 * t.element_size()
+    for index in {0, n // 2, n - 1}:
+        for bit in range(bits):
+            bad = _flip(t, index, bit)
+            assert not torch.equal(dops.Fingerprint.of(t).sums, dops.Fingerprint.of(bad).sums), (index, bit)
+            assert not dops.checksums_equal(t, bad)
+    assert dops.checksums_equal(t, t.clone())
+
+
+def test_views_at_odd_offsets_non_contiguous_and_bool_outputs():
+    base = torch.randn(9, 5)
+    for t in (base[1:, 1:], base.t(), base.view(-1)[3:], base > 0):
+        same = t.clone()
+        assert dops.checksums_equal(t, same)
+        assert dops.Fingerprint.of(t).matches(dops.Fingerprint.of(same))
+    odd = base.view(-1)[3:]
+    bad = odd.clone()
+    bad[5] = torch.nextafter(bad[5], torch.tensor(float("inf")))
+    assert not dops.checksums_equal(odd, bad)
+    flags = base > 0
+    flipped = flags.clone()
+    flipped[2, 3] = ~flipped[2, 3]
+    assert not dops.checksums_equal(flags, flipped)
+
+
+def test_shapes_dtypes_and_non_tensor_outputs_are_compared_exactly():
+    a = torch.zeros(4)
+    assert not dops.checksums_equal(a, torch.zeros(2, 2))
+    assert not dops.checksums_equal(a, torch.zeros(4, dtype=torch.float64))
+    assert dops.checksums_equal((a, 3), (a.clone(), 3)) and not dops.checksums_equal((a, 3), (a, 4))
+
+
+def test_the_checksums_do_not_depend_on_the_thread_count():
+    t = torch.randn(1 << 20)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = dops.Fingerprint.of(t).sums
+        torch.set_num_threads(max(2, old))
+        assert torch.equal(one, dops.Fingerprint.of(t).sums)
+    finally:
+        torch.set_num_threads(old)
