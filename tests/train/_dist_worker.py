@@ -16,7 +16,7 @@ import sys
 import torch
 
 from trainguard.config import load_config
-from trainguard.faults import Fault, FaultModel, Injector, OpSite, ProductSite, TensorSite
+from trainguard.faults import Fault, FaultModel, Injector, ModuleSite, OpSite, ProductSite, TensorSite
 from trainguard.sdc.runtime import attach_from_config
 from trainguard.train import StepGuard, Trainer, Verdict
 
@@ -78,6 +78,11 @@ elif mode.startswith("dmr:"):  # dmr:R:K:PHASE: a bit flip in rank R's PHASE ops
     if trainer.rank == int(rank):
         site = OpSite("*", phase, 5, compute_only=True)
         injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
+elif mode.startswith("dmrroute:"):  # dmrroute:R:K: rank R's first router output at step K pushed to 1e4 (routing)
+    _, rank, step = mode.split(":")
+    if trainer.rank == int(rank):
+        site = ModuleSite("*router", 0)
+        injector = Injector(Fault(site, FaultModel("value", value=1e4), step=int(step), index=1)).attach(trainer)
 elif mode.startswith("abft:"):
     layer = int(mode.split(":")[1])
     # (row 1, column 1) of the first head's scores: kept by the causal mask
@@ -86,7 +91,7 @@ elif mode.startswith("abft:"):
 summary = trainer.run(n_steps)
 trainer.close()
 abft = handles["abft"].total() if "abft" in handles else {}
-fired = bool(mode.startswith(("abft:", "dmr:")) and "injector" in globals() and injector.records)
+fired = bool(mode.startswith(("abft:", "dmr:", "dmrroute:")) and "injector" in globals() and injector.records)
 dmr = handles.get("dmr")
 sched = getattr(trainer.strategy, "schedule", None)
 torch.save({"state": trainer.state_dict_for_compare(), "steps": steps, "summary": summary.to_dict(), "abft": abft,

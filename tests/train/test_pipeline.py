@@ -154,3 +154,15 @@ def test_dmr_on_two_stages_detects_a_bit_flip_and_ends_bitwise_equal(tmp_path, c
     assert all(r["dmr_coverage"] == 1.0 for r in got)
     assert any(k.startswith("checked-in-pp") for k in got[0]["dmr_counts"])  # deferred checks ran in pp windows
     assert_bitwise(got, clean_pp2)
+
+
+@pytest.mark.slow
+def test_dmr_a_fault_that_changes_moe_routing_on_one_stage_is_retried_not_a_crash(tmp_path):
+    """The recompute routes differently from the corrupted forward: torch.utils.checkpoint would fail that
+    stage's backward while the other stage waits; DMR flags it and the step re-runs on both, bitwise."""
+    moe = [*PP, "--model.preset", "llama-moe-tiny", "--sdc.dmr.enabled", "true"]
+    clean = run_dist(tmp_path, "clean", 2, "clean", *moe)
+    got = run_dist(tmp_path, "route", 2, "dmrroute:0:2", *moe)
+    assert got[0]["fired"] and got[0]["dmr"]["detected"] >= 1
+    assert [s["attempts"] for s in got[0]["steps"]] == [2, 1, 2, 1]
+    assert_bitwise(got, clean)

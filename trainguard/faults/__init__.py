@@ -17,6 +17,7 @@ from trainguard.faults.injector import (
     ProductSite,
     TensorSite,
     checker_execution,
+    injecting,
 )
 from trainguard.faults.schedules import PRESETS_MTBF_HOURS, FailureSchedule, kill_due
 
@@ -36,6 +37,7 @@ __all__ = [
     "checker_execution",
     "classify",
     "flip_bit",
+    "injecting",
     "kill_due",
     "layout",
     "run_campaign",

@@ -139,6 +139,15 @@ def is_compute_op(func) -> bool:
     return not name.startswith(("c10d", "_c10d_functional", "profiler", "_dtensor"))
 
 
+_INJECTING = threading.local()
+
+
+def injecting() -> bool:
+    """True while an injector writes a fault (its own reads and writes are not ops of the step: a verifier
+    such as DMR must not record them as part of the computation it checks)."""
+    return getattr(_INJECTING, "active", False)
+
+
 @contextlib.contextmanager
 def checker_execution(active: bool = True) -> Iterator[None]:
     """Ops run inside are a verifier's own work (second executions, copies, fingerprints): the injector
@@ -295,11 +304,11 @@ class Injector:
         index = f.index if f.index is not None else self._stuck.get(i)
         if index is None or index >= tensor.numel():
             index = random_index(tensor, self.generator)
-        self._injecting = True
+        self._injecting = _INJECTING.active = True
         try:
             old, new, bit = f.model.apply(tensor, index, self.generator)
         finally:
-            self._injecting = False
+            self._injecting = _INJECTING.active = False
         self.fired.add(i)
         self._fired_attempt.add(i)
         if f.persistent:  # the same element every time, as a stuck unit would

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,13 @@ def spec_from(args) -> dict:
             "model": args.model, "progress": not args.json}
 
 
+def _worker_error(stderr: str) -> str:
+    """The worker's own exception line (torchrun's summary after it says nothing about the cause)."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^\[?[\w.]*(Error|Exception)\b", ln.split("]: ")[-1])]
+    return errors[-1].split("]: ")[-1] if errors else " | ".join(lines[-3:])
+
+
 def run(args) -> int:
     spec = spec_from(args)
     out = err_console if args.json else console
@@ -64,8 +72,7 @@ def run(args) -> int:
                                    "-m", "trainguard.sdc.dmr.campaign", tmp, str(spec_path)],
                                   env=env, capture_output=True, text=True)
             if proc.returncode != 0:
-                tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-3:]
-                raise TrainguardError("campaign dmr: a pipeline process failed: " + " | ".join(tail))
+                raise TrainguardError("campaign dmr: a pipeline process failed: " + _worker_error(proc.stderr))
             res = json.loads((Path(tmp) / "campaign.json").read_text())
     res.update(model=args.model, pp=args.pp, phase=args.phase, seed=args.seed)
     out.print(table(f"campaign dmr: {args.model}, pp {args.pp}", {k: res[k] for k in KEYS}))

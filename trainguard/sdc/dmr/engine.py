@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_map
 
 from trainguard.errors import SuspectedHardwareFault
 from trainguard.faults.injector import _CHECKER as _INJECTOR_FLAG  # the flag checker_execution() sets
-from trainguard.faults.injector import checker_execution
+from trainguard.faults.injector import checker_execution, injecting
 from trainguard.sdc.dmr import ops as dops
 from trainguard.sdc.dmr.agc import StaleInput, Tape
 from trainguard.sdc.dmr.config import DMRConfig
@@ -119,6 +119,28 @@ def _free_memory_bytes(device: torch.device) -> int:
         return info.get("MemAvailable", 0) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def _is_routing(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex() and t.numel() <= 1 << 20
+
+
+def _routing_copy(out: Any) -> Any:
+    """Copies of an op's small integer outputs (routing decisions: top-k indices, token counts), None if it has
+    none: a tensor, or a tuple with None in place of the other outputs."""
+    if isinstance(out, torch.Tensor):
+        return out.clone() if _is_routing(out) else None
+    if isinstance(out, (tuple, list)) and any(_is_routing(t) for t in out):
+        return tuple(t.clone() if _is_routing(t) else None for t in out)
+    return None
+
+
+def _with_routing(out: Any, kept: Any) -> Any:
+    if isinstance(kept, torch.Tensor):
+        return kept if isinstance(out, torch.Tensor) else out
+    if isinstance(out, (tuple, list)) and len(out) == len(kept):
+        return type(out)(k if k is not None else o for o, k in zip(out, kept))
+    return out
 
 
 def _rss_bytes() -> int:
@@ -341,7 +363,9 @@ class DMREngine:
 
     # ---- execution -------------------------------------------------------------------------------
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
-        if getattr(_CHECKING, "active", False):  # a checker execution (drain runs inside the mode): run as is
+        if getattr(_CHECKING, "active", False) or injecting():
+            # a checker execution (drain runs inside the mode), or a fault injector writing its fault from a
+            # hook (its reads and writes are the fault, not ops of the step): run as is
             return func(*args, **kwargs)
         # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
         # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
@@ -375,6 +399,7 @@ class DMREngine:
         owner = self._owner(phase)
         dynamic = ".experts." in self.module() if phase in ("forward", "recompute") else bool(owner and owner[2])
         const = self._is_const(inf, args, kwargs)
+        twin = rec = None
         if phase == "recompute" and seg is not None and not const:
             twin = seg.records[seg.cursor] if seg.cursor < len(seg.records) else None
             op_id = f"recompute:{twin[0]}" if twin else self._next_id("recompute", dynamic)
@@ -404,10 +429,11 @@ class DMREngine:
             strategy = "naive"  # an in-place or random op cannot be replayed from a tape: checked at once
         if strategy == "p-dmr":
             out = _primary(func, args, kwargs)
-            seg.records.append((op_id, name, self._fp(out)))
+            seg.records.append((op_id, name, self._fp(out), _routing_copy(out)))
         else:
             if in_segment:
-                seg.records.append((op_id, name, None))  # (checked otherwise; keeps the recompute aligned)
+                rec = [op_id, name, None, None]  # (checked otherwise; keeps the recompute aligned)
+                seg.records.append(rec)
             if strategy == "optimizer":
                 return self._verified_optimizer(op_id, func, args, kwargs)
             if strategy == "agc":
@@ -416,6 +442,13 @@ class DMREngine:
                 out = self._defer(op_id, phase, strategy, window, func, args, kwargs)
             else:
                 out = self._naive(op_id, phase, func, args, kwargs, repair=phase == "optimizer")
+        if rec is not None:
+            rec[3] = _routing_copy(out)
+        if twin is not None and len(twin) > 3 and twin[3] is not None and twin[2] is None:
+            # checked by another strategy, but its routing must still match the forward's (see _pdmr_check)
+            if not dops.bitwise_equal(_with_routing(out, twin[3]), out):
+                self._mismatch(twin[0], name, "forward", "p-dmr", "forward and recompute route differently")
+                out = _with_routing(out, twin[3])
         if const:
             for t in dops.tensors(out):
                 self._const[id(t)] = t
@@ -496,11 +529,18 @@ class DMREngine:
     def _pdmr_check(self, twin, func, args, kwargs) -> Any:
         out = _primary(func, args, kwargs)  # the recompute: the checker execution of its forward twin
         self.counts["p-dmr-checked"] += 1
-        op_id, name, expect = twin
+        op_id, name, expect = twin[:3]
         if name != dops.info(func).name:
             self._mismatch(op_id, name, "forward", "p-dmr", f"recompute ran {func} where the forward ran {name}")
         elif not self._agree(name, expect, self._fp(out)):
             self._mismatch(op_id, name, "forward", "p-dmr", "forward and recompute differ")
+            kept = twin[3] if len(twin) > 3 else None
+            if kept is not None:
+                out = _with_routing(out, kept)
+                # An integer output (MoE routing: top-k indices, counts) decides the shapes of what follows. The
+                # step is retried anyway; continuing with the forward's routing keeps the recompute's shapes
+                # what autograd saved, instead of torch.utils.checkpoint failing the step on one pipeline
+                # stage while the other waits for it.
         self._own("recompute", f"recompute:{op_id}", False)
         return out
 
