@@ -20,7 +20,7 @@ from trainguard.failover.mecefo.approx import MHA_GROUP, NEIGHBOR, MeCeFO, MeCeF
 from trainguard.failover.mecefo.policy import MeCeFOPolicy
 from trainguard.failover.mecefo.runtime import FailoverRunConfig, run_failover, trainer_config
 from trainguard.failover.mecefo.timeline import Failure, FailureTimeline
-from trainguard.train.parallel import StepPlan, Strategy
+from trainguard.train.parallel import MicroBatch, StepPlan, Strategy
 from trainguard.train.parallel.elastic import StepView
 from trainguard.train.trainer import Trainer
 
@@ -39,7 +39,8 @@ def test_a_worker_killed_mid_step_the_run_finishes_and_the_returning_worker_is_b
     # worker 1 is SIGKILLed at step 2 after computing its gradients, before the all-reduce; back at step 4.
     # worker 3 is out (simulated) at steps 6 and 7.
     steps = 10
-    cfg = _cfg(steps=steps, timeline=FailureTimeline.of(Failure(1, 2, 4, real=True), Failure(3, 6, 8)), eval_batches=2)
+    cfg = _cfg(steps=steps, timeline=FailureTimeline.of(Failure(1, 2, 4, real=True), Failure(3, 6, 8)), eval_batches=2,
+               mecefo=MeCeFOConfig(rank=8, tau=1, monitor_every=1), return_state=True)
     res = run_failover(cfg)
     assert not res.errors and res.global_restarts == 0
     assert [(d["worker"], d["step"], d["cause"]) for d in res.deaths] == [(1, 2, "kill")]
@@ -66,6 +67,11 @@ def test_a_worker_killed_mid_step_the_run_finishes_and_the_returning_worker_is_b
     errs = [lg["grad_rel_error"] for lg in res.step_logs if "grad_rel_error" in lg]
     assert len(errs) == sum(1 for lg in res.step_logs if lg["attention_weights"]) and all(0 < e < 1 for e in errs)
     assert math.isfinite(res.val_ppl)
+    # and the run did the math its steps state, bitwise: the killed worker's slice recomputed degraded by its
+    # neighbor in the same step, the survivors' attention gradients re-weighted to the exact slice count
+    assert res.step_logs[2]["degraded"] == [1]
+    assert res.step_logs[2]["attention"] == {"0": 1 / 3, "1": 0.0, "2": 1 / 3, "3": 1 / 3}
+    _assert_bitwise(res.states[1], _replay(cfg, _from_logs(res)))
 
 
 @pytest.mark.slow
@@ -78,34 +84,33 @@ def test_without_failure_a_mecefo_run_is_bitwise_the_plain_elastic_run():
 
 
 class _Replay(Strategy):
-    """One process computes every slice the MeCeFO policy plans, each alone, degraded as tagged, its attention part
-    weighted by the plan's group weight, summed in slice order: the math the elastic run must do."""
+    """One process computes, each step, every counted slice alone, degraded where the step degraded it, its attention
+    part weighted by the step's attention weight, and sums them in slice order: the math the elastic run must have
+    done. ``plans(step) -> (counted {slice: weight}, degraded {slice}, attention weights {slice: weight})``."""
 
-    def __init__(self, comp: MeCeFO, policy: MeCeFOPolicy, replicas: int):
+    def __init__(self, comp: MeCeFO, plans, n_slices: int):
         super().__init__()
-        self.comp, self.policy, self.replicas = comp, policy, replicas
+        self.comp, self.plans, self.n = comp, plans, n_slices
 
     def plan(self, trainer, step):
-        self.sync = self.policy.plan(StepView(step, frozenset(range(self.replicas)), self.replicas, 1))
-        micro = sorted((mb for mbs in self.sync.work.values() for mb in mbs if not mb.keep), key=lambda m: m.index)
+        self.counted, self.degraded, self.attention = self.plans(step)
         self.comp.step = step
-        return StepPlan(step, micro)
+        return StepPlan(step, [MicroBatch(t, self.n, w) for t, w in sorted(self.counted.items())])
 
     def forward_backward(self, trainer, plan):
         model = trainer.model
         params = [p for p in model.parameters() if p.requires_grad]
         names = set(mha_parameter_names(model))
         mask = torch.cat([torch.full((p.numel(),), n in names) for n, p in model.named_parameters() if p.requires_grad])
-        weights = self.sync.group_weights.get(MHA_GROUP, {})
         total = None
         for mb in plan.micro:
             model.zero_grad(set_to_none=True)
             x, y = trainer.micro_batch(plan.step, mb)
-            with self.comp.degraded_mode(NEIGHBOR in mb.tags):
+            with self.comp.degraded_mode(mb.index in self.degraded):
                 loss = trainer.compute_loss(x, y)
                 (loss * mb.weight).backward()
             row = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
-            w = weights.get(mb.index)
+            w = self.attention.get(mb.index)
             if w is not None and w != mb.weight:
                 row[mask] *= w / mb.weight
             if total is None:
@@ -120,6 +125,36 @@ class _Replay(Strategy):
         return loss.detach()
 
 
+def _replay(cfg: FailoverRunConfig, plans) -> dict[str, torch.Tensor]:
+    comp = MeCeFO(cfg.mecefo)
+    trainer = Trainer(trainer_config(cfg), strategy=_Replay(comp, plans, cfg.workers), progress=False)
+    comp.attach(trainer.model)
+    for _ in range(cfg.steps):
+        trainer.train_step()
+    return trainer.state_dict_for_compare(optimizer=True)
+
+
+def _from_logs(res):
+    logs = {lg["step"]: lg for lg in res.step_logs}
+    return lambda step: ({int(t): w for t, w in logs[step]["counted"].items()}, set(logs[step]["degraded"]),
+                         {int(t): w for t, w in logs[step]["attention"].items()})
+
+
+def _from_policy(policy: MeCeFOPolicy, replicas: int):
+    def plans(step):
+        sync = policy.plan(StepView(step, frozenset(range(replicas)), replicas, 1))
+        degraded = {mb.index for mbs in sync.work.values() for mb in mbs if not mb.keep and NEIGHBOR in mb.tags}
+        return sync.counted(), degraded, sync.group_weights.get(MHA_GROUP, {})
+
+    return plans
+
+
+def _assert_bitwise(got, want):
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k}: max |diff| {float((got[k] - want[k]).abs().max()):.3g}"
+
+
 @pytest.mark.slow
 def test_with_failures_the_run_is_the_planned_math_and_its_deviation_is_bounded_and_reported():
     mc = MeCeFOConfig(rank=8, tau=1, monitor_every=1)  # tau = 1: each degraded step refreshes V1, wherever it runs
@@ -130,17 +165,7 @@ def test_with_failures_the_run_is_the_planned_math_and_its_deviation_is_bounded_
     # step 5: workers 3 and 0 out, neighbors 0 -> (0 is out) 1 for both: 1 carries 3 slices, 2 is the only exact one
     assert res.step_logs[5]["work"] == {"0": 0, "1": 3, "2": 1, "3": 0} and res.step_logs[5]["attention_weights"] == [0.0, 1.0]
     got = res.states[0]
-
-    replay_cfg = trainer_config(cfg)
-    comp = MeCeFO(mc)
-    replay = Trainer(replay_cfg, strategy=_Replay(comp, MeCeFOPolicy(mc, timeline), cfg.workers), progress=False)
-    comp.attach(replay.model)
-    for _ in range(cfg.steps):
-        replay.train_step()
-    want = replay.state_dict_for_compare(optimizer=True)
-    assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(got[k], want[k]), f"{k}: max |diff| {float((got[k] - want[k]).abs().max()):.3g}"
+    _assert_bitwise(got, _replay(cfg, _from_policy(MeCeFOPolicy(mc, timeline), cfg.workers)))
 
     # against the fault-free run: the deviation (reported), and the gradient error on every degraded step (bounded)
     # (the fault-free elastic run is bitwise the one-process run of the same global batch)

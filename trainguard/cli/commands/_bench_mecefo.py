@@ -52,6 +52,8 @@ def register_bench(subparsers) -> None:
     p.add_argument("--heal-s", type=float, default=10.0, help="elastic methods: one rejoin (default 10)")
     p.add_argument("--horizon-h", type=float, default=1000.0, help="modelled hours of the throughput model (default 1000)")
     p.add_argument("--no-quality", action="store_true", help="skip the real training runs")
+    p.add_argument("--quality-methods", default="mecefo,bamboo,oobleck,checkpoint_restart",
+                   help="methods with a real run under the preset (comma list; default all four)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--seed", type=int, default=0)
@@ -96,6 +98,7 @@ def config_from_args(args):
         run_workers=args.run_workers, seq_len=args.seq_len, batch=args.batch, run_micro_batch=args.micro_batch,
         rounds=args.rounds, lr=args.lr, eval_batches=args.eval_batches, quality_hours=args.quality_hours,
         real_kills=args.real_kills, monitor_every=args.monitor_every, quality=not args.no_quality,
+        quality_methods=tuple(m.strip() for m in args.quality_methods.split(",") if m.strip()),
         memory=not args.no_memory, threads=args.threads, corpus_max_bytes=300_000 if args.tiny else 4_000_000,
         seed=args.seed, mecefo=mecefo, cluster=cluster).validate()
 
@@ -115,7 +118,7 @@ def run(args) -> int:
               f"({cfg.batch} x {cfg.seq_len} tokens per worker step); throughput modelled for {cfg.workers} workers "
               f"under '{cfg.failures}'; real runs: {cfg.run_workers} workers x {cfg.steps} steps "
               f"({cfg.token_budget:,} tokens)" + ("" if cfg.quality else " skipped"))
-    res = bench(cfg, progress=True)
+    res = bench(cfg, progress=True, note=lambda text: err_console.print(f"  {text}"))
     if args.plot:
         from trainguard.report.mecefo_plot import plot_mecefo
 

@@ -72,6 +72,8 @@ class MeCeFOBenchConfig:
     monitor_every: int = setting(2, help="MeCeFO's real run measures the gradient error on degraded steps that "
                                          "are multiples of this")
     quality: bool = setting(True, help="run the real training runs (false: costs and the model only)")
+    quality_methods: tuple[str, ...] = setting(CLUSTER_METHODS, help="methods with a real run under the preset "
+                                                                     "(the others report no perplexity under failures)")
     memory: bool = setting(True, help="measure peak resident memory per role in fresh processes")
     threads: int = setting(1, help="torch threads of the cost measurement and of each worker")
     corpus_max_bytes: int = setting(4_000_000, help="corpus bytes read")
@@ -89,6 +91,9 @@ class MeCeFOBenchConfig:
             raise TrainguardError(f"bench mecefo: run_workers must be >= 2, got {self.run_workers}")
         if self.real_kills < 0 or not self.quality_hours > 0:
             raise TrainguardError("bench mecefo: real_kills must be >= 0 and quality_hours > 0")
+        bad = [m for m in self.quality_methods if m not in CLUSTER_METHODS]
+        if bad:
+            raise TrainguardError(f"bench mecefo: unknown method(s) {', '.join(bad)} (choose from {', '.join(CLUSTER_METHODS)})")
         self.mecefo.validate()
         self.cluster = replace(self.cluster, workers=self.workers, seed=self.seed).validate()
         from trainguard.models.config import model_config
@@ -349,11 +354,12 @@ def _run_config(cfg: MeCeFOBenchConfig, method: str, preset: str) -> FailoverRun
         threads_per_worker=cfg.threads, eval_batches=cfg.eval_batches, timeout_s=60.0)
 
 
-def quality_runs(cfg: MeCeFOBenchConfig, progress: bool = False) -> dict[str, Any]:
-    """The failure-free run and one run per method under ``cfg.failures``."""
+def quality_runs(cfg: MeCeFOBenchConfig, progress: bool = False,
+                 note: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The failure-free run and one run per method under ``cfg.failures``; ``note(text)`` after each."""
     jobs = [("no_failure", "mecefo", "none")]
     if cfg.failures != "none":
-        jobs += [(m, m, cfg.failures) for m in CLUSTER_METHODS]
+        jobs += [(m, m, cfg.failures) for m in CLUSTER_METHODS if m in cfg.quality_methods]
     bar = TaskBar(progress, "bench mecefo: training runs", len(jobs) * cfg.steps)
     runs: dict[str, Any] = {}
     try:
@@ -366,6 +372,10 @@ def quality_runs(cfg: MeCeFOBenchConfig, progress: bool = False) -> dict[str, An
 
             res = run_failover(rc, progress=tick)
             runs[label] = _run_summary(res, rc)
+            if note is not None:
+                r = runs[label]
+                note(f"run {label}: val ppl {r['val_ppl']:.4g}, {r['steps_with_a_worker_out']} steps with a worker out, "
+                     f"{len(r['deaths'])} kill(s), {r['global_restarts']} global restart(s), {r['wall_s']:.0f} s")
     finally:
         bar.stop()
     return runs
@@ -396,11 +406,16 @@ def _run_summary(res, rc: FailoverRunConfig) -> dict[str, Any]:
 # Everything
 
 
-def bench(cfg: MeCeFOBenchConfig, progress: bool = False) -> dict[str, Any]:
+def bench(cfg: MeCeFOBenchConfig, progress: bool = False, note: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Everything (module docstring); ``note(text)`` reports each phase's outcome as it ends (long runs)."""
     cfg.validate()
+    note = note or (lambda text: None)
     t0 = time.perf_counter()
     costs = measure_costs(cfg, progress)
+    note("step costs (CPU s): " + ", ".join(f"{k} {v:.3g}" for k, v in costs["step_s"].items()))
     memory = measure_peak_memory(cfg, progress) if cfg.memory else None
+    if memory:
+        note(f"peak memory ratio neighbor/normal {memory['neighbor_peak_memory_ratio']:.3f}")
     sc = step_costs(costs, cfg)
     tokens_share = cfg.batch * cfg.seq_len
     by_preset = {p: cluster_throughput(sc, p, cfg.cluster, tokens_share) for p in ("none", *PRESETS_MTBF_HOURS)}
@@ -409,7 +424,7 @@ def bench(cfg: MeCeFOBenchConfig, progress: bool = False) -> dict[str, Any]:
         for rec in (1.0, 5.0, 10.0, 30.0):
             r = cluster_throughput(sc, cfg.failures, replace(cfg.cluster, recovery_min=rec), tokens_share)
             sensitivity[str(rec)] = {m: r[m]["throughput_drop"] for m in CLUSTER_METHODS}
-    runs = quality_runs(cfg, progress) if cfg.quality else {}
+    runs = quality_runs(cfg, progress, note) if cfg.quality else {}
     chosen = by_preset[cfg.failures]
     out: dict[str, Any] = {
         "model": cfg.model, "workers": cfg.workers, "failures": cfg.failures, "steps": cfg.steps,

@@ -120,7 +120,8 @@ class MeCeFOPolicy(_TimelinePolicy):
             hosts[str(f)] = h
             extra.setdefault(h, []).extend(replace(mb, tags=DEGRADED) for mb in lost)
         after = {r: [mb for mb in plan.work.get(r, []) if not mb.keep] + extra.get(r, []) for r in view.live}
-        rec = Recovery(extra=extra, info={"hosts": hosts})
+        rec = Recovery(extra=extra, info={"hosts": hosts, "degraded": sorted(
+            mb.index for mbs in after.values() for mb in mbs if NEIGHBOR in mb.tags)})
         weights = self._weigh_attention(after, None)
         if weights:
             rec.group_weights = {MHA_GROUP: weights}
@@ -134,7 +135,8 @@ class MeCeFOPolicy(_TimelinePolicy):
         degraded = [mb.index for mb in counted if NEIGHBOR in mb.tags]
         exact = sorted(mb.index for mb in counted if NEIGHBOR not in mb.tags)
         if plan is not None:
-            plan.info.update({"degraded_slices": len(degraded), "attention_slices": len(exact) if degraded else len(counted)})
+            plan.info.update({"degraded_slices": len(degraded), "degraded": sorted(degraded),
+                              "attention_slices": len(exact) if degraded else len(counted)})
         if not degraded or not self.cfg.skip_mha:
             return {}
         if not exact:

@@ -160,9 +160,13 @@ class _Reporter:
         rec = trainer.strategy.record
         info = {"step": rec["step"], "live": rec["live"], "failed": rec["failed"], "joined": rec["joined"],
                 "policy": rec["policy"], "work": rec["work"].get(self.worker, 0), "loss": result.loss,
-                "events": [{k: v for k, v in e.items() if k in ("event", "failed", "recovery_s", "to_step")}
+                "events": [{k: v for k, v in e.items() if k in ("event", "failed", "recovery_s", "to_step", "degraded")}
                            for e in rec["events"]],
+                "counted": {str(t): w for t, w in rec["counted"].items()},
+                "attention": {str(t): w for t, w in rec["group_weights"].get("mha", {}).items()},
                 "attention_weights": sorted({round(w, 12) for w in rec["group_weights"].get("mha", {}).values()})}
+        failures = [e for e in rec["events"] if e["event"] == "failure" and "degraded" in e]
+        info["degraded"] = failures[-1]["degraded"] if failures else rec["policy"].get("degraded", [])
         if self.comp is not None:
             info["mecefo"] = dict(self.comp.last)
         self.queue.put(("step", self.worker, info))
@@ -367,7 +371,8 @@ def _log_step(step_logs: dict[int, dict], r: int, info: dict) -> None:
         "step": info["step"], "live": info["live"], "failed": info["failed"], "joined": info["joined"],
         "loss": info["loss"], "out": info["policy"].get("out", []), "neighbors": info["policy"].get("neighbors", []),
         "attention_weights": info["attention_weights"], "roles": {}, "compute_s": {}, "work": {},
-        "events": info["events"]})
+        "events": info["events"], "counted": info["counted"], "attention": info["attention"],
+        "degraded": info["degraded"]})
     agg["work"][str(r)] = info["work"]
     if info["events"] and not agg["events"]:
         agg["events"] = info["events"]
