@@ -154,14 +154,19 @@ def checker_execution(active: bool = True) -> Iterator[None]:
 def _written_tensor(func, args, kwargs, generator: torch.Generator) -> torch.Tensor | None:
     """One floating-point tensor an in-place op writes (drawn with ``generator`` when it writes several)."""
     written: list[torch.Tensor] = []
+    fused_adam = str(func).startswith(("aten._fused_adam", "aten._fused_sgd"))
     for i, a in enumerate(func._schema.arguments):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
+        if fused_adam and a.name == "grads" and kwargs.get("grad_scale") is None:
+            continue  # the fused optimizers write the gradients only to unscale them (grad_scale)
         value = kwargs.get(a.name, args[i] if i < len(args) else None)
         items = value if isinstance(value, (list, tuple)) else [value]
         written += [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
     if not written:
         return None
+    if generator is None:  # (only asking whether there is one)
+        return written[0]
     return written[int(torch.randint(len(written), (1,), generator=generator))]
 
 
@@ -305,9 +310,13 @@ class Injector:
     def _on_op(self, func, out, args=(), kwargs=None) -> None:
         if self.step is None or self._injecting or getattr(_CHECKER, "active", False):
             return
-        if not isinstance(out, torch.Tensor) and not (out is None or isinstance(out, (list, tuple))):
-            return
-        if isinstance(out, torch.Tensor) and not out.is_floating_point():
+        if isinstance(out, torch.Tensor):
+            if not out.is_floating_point():
+                return
+        elif out is None or isinstance(out, (list, tuple)):
+            if _written_tensor(func, args, kwargs or {}, None) is None:  # nothing floating-point it writes
+                return
+        else:
             return
         name = str(func)  # e.g. "aten.mm.default"
         compute = is_compute_op(func)

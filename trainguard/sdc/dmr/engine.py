@@ -54,9 +54,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from trainguard.errors import SuspectedHardwareFault
+from trainguard.faults.injector import _CHECKER as _INJECTOR_FLAG  # the flag checker_execution() sets
 from trainguard.faults.injector import checker_execution
 from trainguard.sdc.dmr import ops as dops
+from trainguard.sdc.dmr.agc import StaleInput, Tape
 from trainguard.sdc.dmr.config import DMRConfig
+from trainguard.sdc.dmr.determinism import load_tolerances
 from trainguard.sdc.dmr.dynamic import DynamicPlanner, Entry
 from trainguard.sdc.dmr.plan import Plan
 from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
@@ -116,9 +119,12 @@ def _rss_bytes() -> int:
 class DMREngine:
     def __init__(self, cfg: DMRConfig | None = None, plan: Plan | None = None):
         self.cfg = (cfg or DMRConfig(enabled=True)).validate()
-        self.plan = plan
+        self._plan = plan
         self.active = self.cfg.system != "none"
         self.rtol: dict[str, float] = {}  # tolerance mode: per op name (from a determinism report)
+        self.calibration: dict[str, float] | None = None  # set while recording a determinism report
+        if self.cfg.compare == "tolerance" and self.cfg.determinism_report:
+            self.rtol = load_tolerances(self.cfg.determinism_report, self.cfg.tolerance_safety)
         self.totals: Counter = Counter()  # over the run
         self.profile: Profile | None = None  # the last profile recorded
         self._profiling = False
@@ -133,10 +139,21 @@ class DMREngine:
         self.step = 0
         self._param_storages: set[int] = set()
         self._param_shapes: set[tuple] = set()
+        self._ws: dict[tuple, torch.Tensor] = {}  # update-stage workspaces, reused every step
         self.deferrable = False
         self._model = None
         self.dynamic = DynamicPlanner(self.budget_bytes or 2**40)
+        self._index_plan()
         self._reset_attempt()
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        self._plan = plan
+        self._index_plan()
 
     # ---- wiring ----------------------------------------------------------------------------------
     def attach(self, trainer) -> DMREngine:
@@ -154,7 +171,7 @@ class DMREngine:
         self._handles.append(opt.register_step_post_hook(lambda *a: self._set_optimizer(False)).remove)
         trainer.step_contexts.append(self.step_context)  # after the injector's (it inserts itself first)
         self._handles.append(trainer.strategy.add_window_hook(self.window))
-        self.deferrable = trainer.strategy.name == "pipeline"  # a strategy with idle windows to defer into
+        self.deferrable = trainer.strategy.name in ("pipeline", "expert")  # strategies with idle windows
         self._handles.append(trainer.add_guard(DMRGuard(self)))
         trainer.metric_sources.append(self.metrics)
         self._world = trainer.world
@@ -208,6 +225,7 @@ class DMREngine:
         self._last_seq = -1
         self._micro = -1
         self._records: list[OpRecord] = []
+        self._tapes: dict[str, Tape] = {}
         self._window_records: list[Window] = []
         self._t0 = time.perf_counter()
         self._curve: list[tuple[float, int]] = []
@@ -284,8 +302,9 @@ class DMREngine:
 
     # ---- strategy choice -------------------------------------------------------------------------
     def strategy_for(self, op_id: str, phase: str, name: str, dynamic: bool, in_segment: bool) -> tuple[str, str | None]:
-        if phase == "optimizer":
-            return ("optimizer" if name in _FUSED_OPTIMIZERS else "naive"), None
+        if phase == "optimizer":  # (ops over lists of tensors: in cache-sized pieces)
+            return ("optimizer" if name in _FUSED_OPTIMIZERS or (name.startswith("aten._foreach_") and
+                    name.split(".")[1].endswith("_")) else "naive"), None
         if self.cfg.system == "naive":
             return "naive", None
         if dynamic and self.deferrable:
@@ -293,7 +312,7 @@ class DMREngine:
         if self.plan is not None:
             a = self.plan.assignment(op_id)
             if a is not None:
-                if a.strategy in _DEFERRED:  # (an AGC segment's ops are deferred into its window op by op)
+                if a.strategy in _DEFERRED:  # (an AGC segment's ops are checked by its replay in its window)
                     return a.strategy, a.window
                 if a.strategy == "p-dmr" and in_segment:
                     return "p-dmr", None
@@ -312,12 +331,16 @@ class DMREngine:
             return func(*args, **kwargs)
         # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
         # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
-        with checker_execution():
+        before = getattr(_INJECTOR_FLAG, "active", False)
+        _INJECTOR_FLAG.active = True  # (checker_execution(), without a context manager per op)
+        try:
             out = self._dispatch(func, args, kwargs)
-            if self.deferrable:
-                for t in dops.tensors(out):
-                    self._produced[id(t)] = t
-            return out
+        finally:
+            _INJECTOR_FLAG.active = before
+        if self.deferrable:
+            for t in dops.tensors(out):
+                self._produced[id(t)] = t
+        return out
 
     def _dispatch(self, func, args: tuple, kwargs: dict) -> Any:
         inf = dops.info(func)
@@ -327,7 +350,11 @@ class DMREngine:
             if self.cfg.coverage:
                 self.coverage.append(("-", inf.name, self.phase(), inf.kind, None))
             self.counts[inf.kind] += 1
-            return _primary(func, args, kwargs)
+            out = _primary(func, args, kwargs)
+            if inf.kind == "view" and self._profiling:  # a view's backward node differentiates the op it views
+                phase = self.phase()
+                self._own(phase, self._last_op, False)
+            return out
         phase = self.phase()
         name = inf.name
         seg = self._segments[-1][0] if self._segments else None
@@ -341,7 +368,9 @@ class DMREngine:
             if self._profiling:
                 return self._record(func, args, kwargs, "F", phase, op_id, dynamic, recompute_of=twin[0] if twin else None)
             if twin is not None and twin[2] is not None:  # the forward op's P-DMR checker execution
-                return self._pdmr_check(twin, func, args, kwargs)
+                out = self._pdmr_check(twin, func, args, kwargs)
+                self._tape_alias(op_id, twin[0], out)
+                return out
         else:
             op_id = self._next_id(phase, dynamic)
         if self._profiling:
@@ -357,24 +386,76 @@ class DMREngine:
         if self.cfg.coverage:
             self.coverage.append((op_id, name, phase, strategy, window))
         self.counts[strategy] += 1
+        if strategy == "agc" and (dops.written_args(func, args, kwargs) or inf.random):
+            strategy = "naive"  # an in-place or random op cannot be replayed from a tape: checked at once
         if strategy == "p-dmr":
             out = _primary(func, args, kwargs)
             seg.records.append((op_id, name, self._fp(out)))
-            self._own(phase, op_id, dynamic)
-            return out
-        if in_segment:
-            seg.records.append((op_id, name, None))  # (checked otherwise; keeps the recompute aligned)
-        if strategy == "optimizer":
-            return self._verified_optimizer(op_id, func, args, kwargs)
-        if strategy in ("d-inter", "d-intra", "agc", "dynamic"):
-            out = self._defer(op_id, phase, strategy, window, func, args, kwargs)
         else:
-            out = self._naive(op_id, phase, func, args, kwargs, repair=phase == "optimizer")
+            if in_segment:
+                seg.records.append((op_id, name, None))  # (checked otherwise; keeps the recompute aligned)
+            if strategy == "optimizer":
+                return self._verified_optimizer(op_id, func, args, kwargs)
+            if strategy == "agc":
+                out = _primary(func, args, kwargs)  # checked by its segment's replay
+            elif strategy in ("d-inter", "d-intra", "dynamic"):
+                out = self._defer(op_id, phase, strategy, window, func, args, kwargs)
+            else:
+                out = self._naive(op_id, phase, func, args, kwargs, repair=phase == "optimizer")
         if const:
             for t in dops.tensors(out):
                 self._const[id(t)] = t
+        if phase == "recompute" and op_id.startswith("recompute:"):
+            self._tape_alias(op_id, op_id[len("recompute:"):], out)
+        else:
+            self._tape_record(op_id, func, args, kwargs, out, strategy)
         self._own(phase, op_id, dynamic)
         return out
+
+    # ---- AGC segments (replayed from their boundary tensors, agc.py) ------------------------------
+    def _index_plan(self) -> None:
+        """Which ops each AGC segment of the plan tapes (its forward and gradient ops)."""
+        self._agc_of: dict[str, Any] = {}
+        for a in (self.plan.agc_segments if self.plan is not None else []):
+            for op in (*a.forward_ops, *a.bw_ops):
+                self._agc_of[op] = a
+
+    def _tape(self, a) -> Tape:
+        tape = self._tapes.get(a.id)
+        if tape is None:
+            tape = self._tapes[a.id] = Tape(a.id, a.window, len(a.forward_ops) + len(a.bw_ops))
+        return tape
+
+    def _tape_record(self, op_id: str, func, args, kwargs, out, strategy: str) -> None:
+        a = self._agc_of.get(op_id)
+        if a is None:
+            return
+        if strategy == "naive" and op_id in a.ops:  # could not be taped (in place or random): others read it as boundary
+            self._tape(a).seen.add(op_id)
+            return
+        self._tape(a).record(op_id, func, args, kwargs, out, self._fp, self._is_param, self._produced_here)
+
+    def _tape_alias(self, op_id: str, twin: str, out) -> None:
+        a = self._agc_of.get(twin)
+        if a is None:
+            return
+        tape = self._tape(a)
+        e = tape.entry_of(twin)
+        if e is not None:
+            tape.alias(op_id, e.out_slots, out, self._fp)
+
+    def _replay(self, tape: Tape, where: str) -> None:
+        try:
+            bad = tape.replay(self._fp, self._agree)
+        except StaleInput:
+            self.counts["stale"] += 1
+            self.totals["stale"] += 1
+            return
+        except Exception as err:  # a replay that cannot run is a detection, not a crash of the step
+            bad = f"{tape.seg_id} (replay failed: {type(err).__name__})"
+        self.counts[f"agc-replayed-in-{where.split(':')[0]}"] += 1
+        if bad is not None:
+            self._mismatch(bad, "agc-segment", "backward", "agc", f"AGC segment {tape.seg_id} replay differs")
 
     def _owner(self, phase: str) -> tuple[str, str, bool, int] | None:
         """For backward ops: the forward (or recompute) op whose autograd node is running."""
@@ -402,22 +483,42 @@ class DMREngine:
         out = _primary(func, args, kwargs)  # the recompute: the checker execution of its forward twin
         self.counts["p-dmr-checked"] += 1
         op_id, name, expect = twin
-        if name != str(func):
+        if name != dops.info(func).name:
             self._mismatch(op_id, name, "forward", "p-dmr", f"recompute ran {func} where the forward ran {name}")
-        elif not expect.matches(self._fp(out), self.rtol.get(name, 0.0)):
+        elif not self._agree(name, expect, self._fp(out)):
             self._mismatch(op_id, name, "forward", "p-dmr", "forward and recompute differ")
         self._own("recompute", f"recompute:{op_id}", False)
         return out
 
-    def _naive(self, op_id: str, phase: str, func, args, kwargs, repair: bool = False) -> Any:
-        written = dops.written_args(func, args, kwargs)
+    def _copy(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` in a buffer kept across pieces and steps (no allocation per piece; the same few
+        cache-sized buffers serve every piece of the update stage)."""
+        buf = self._ws.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device or \
+                buf.stride() != t.stride():
+            buf = self._ws[key] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return buf.copy_(t)
+
+    def _naive(self, op_id: str, phase: str, func, args, kwargs, repair: bool = False, read_only: tuple = ()) -> Any:
+        written = dops.written_args(func, args, kwargs, skip=read_only)
         checker_args = checker_kwargs = pre = None
+        third_args, third_kwargs = args, kwargs
         if written:
-            copies = {id(t): t.clone() for t in written}
+            if repair:  # update-stage ops: persistent workspaces
+                # keyed by position and shape, not by op: consecutive pieces reuse the same (cache-resident) buffers
+                copies = {id(t): self._copy((i, "checker", t.shape, t.dtype), t) for i, t in enumerate(written)}
+                pre = [self._copy((i, "pre", t.shape, t.dtype), t) for i, t in enumerate(written)]
+                # the inputs too: the checker and a tie-breaker must see what the primary saw, whatever happens
+                # to the live tensors after it (a corrupted input would otherwise win the vote)
+                ins = {id(t): self._copy((i, "input", t.shape, t.dtype), t) for i, t in
+                       enumerate(t for t in dops.tensors((args, kwargs)) if id(t) not in copies and t.dim() > 0)}
+                keep_in = lambda v: ins.get(id(v), v) if isinstance(v, torch.Tensor) else v
+                third_args, third_kwargs = tree_map(keep_in, args), tree_map(keep_in, kwargs)
+                copies.update(ins)
+            else:
+                copies = {id(t): t.clone() for t in written}
             remap = lambda v: copies.get(id(v), v) if isinstance(v, torch.Tensor) else v
             checker_args, checker_kwargs = tree_map(remap, args), tree_map(remap, kwargs)
-            if repair:
-                pre = [t.clone() for t in written]
         rng = _RNG(func, args, kwargs)
         out = _primary(func, args, kwargs)
         rng.rewind()  # the checker draws the same random numbers
@@ -435,7 +536,7 @@ class DMREngine:
             for t, p in zip(written, pre):
                 t.copy_(p)
             rng.rewind()
-            out = func(*args, **kwargs)
+            out = func(*third_args, **third_kwargs)
             rng.forward()
             if self._same(func, written, checked) or self._same(func, written, primary):
                 # two of three executions agree: the written state is theirs (a checker fault keeps the primary)
@@ -453,7 +554,7 @@ class DMREngine:
         if repair:  # the update is under way: it cannot be rolled back, and three executions gave three results
             raise SuspectedHardwareFault(f"three executions of {func} in the update stage of step {self.step} all "
                                          f"differ ({op_id}): this device does not compute reliably")
-        self._mismatch(op_id, str(func), phase, "naive", "primary and checker differ" if not written else
+        self._mismatch(op_id, dops.info(func).name, phase, "naive", "primary and checker differ" if not written else
                        "primary and checker writes differ")
         return out
 
@@ -466,32 +567,62 @@ class DMREngine:
     def _fp(self, value) -> dops.Fingerprint:
         return dops.Fingerprint.of(value, floats=self.cfg.compare == "tolerance")
 
+    def _agree(self, name: str, expect: dops.Fingerprint, got: dops.Fingerprint) -> bool:
+        if self.calibration is not None:  # recording a determinism report: measure, never flag
+            self.calibration[name] = max(self.calibration.get(name, 0.0), expect.gap(got))
+            return True
+        return expect.matches(got, self.rtol.get(name, 0.0))
+
     def _same(self, func, a, b) -> bool:
-        rtol = self.rtol.get(str(func), 0.0)
+        if self.calibration is not None:
+            name = dops.info(func).name
+            self.calibration[name] = max(self.calibration.get(name, 0.0), dops.relative_gap(a, b))
+            return True
+        rtol = self.rtol.get(dops.info(func).name, 0.0)
         if rtol <= 0:
             return dops.bitwise_equal(a, b)
         return dops.Fingerprint.of(a, floats=True).matches(dops.Fingerprint.of(b, floats=True), rtol)
 
     def _verified_optimizer(self, op_id: str, func, args, kwargs) -> Any:
-        """The fused AdamW/Adam update, verified chunk by chunk (see the module docstring)."""
+        """An update-stage op over lists of tensors (the fused AdamW, clipping's ``_foreach_mul_``) verified in
+        cache-sized pieces: every list argument is cut into flat slices of the same elements and each piece
+        runs as its own call (these ops are elementwise, so each element's result is bitwise the same).
+        Each piece is copied, run, checked and, on a mismatch, repaired while it is still in cache: the
+        copies cost no memory bandwidth to speak of and no copy of the whole optimizer state is made."""
         schema = func._schema.arguments
         names = [a.name for a in schema]
         bound = {n: (args[i] if i < len(args) else kwargs.get(n)) for i, n in enumerate(names)}
-        lists = [n for n, a in zip(names, schema) if isinstance(bound.get(n), (list, tuple))]
+        lists = [n for n in names if isinstance(bound.get(n), (list, tuple)) and len(bound[n])]
+        sliced = [n for n in lists if all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.is_contiguous()
+                                          and t.numel() == bound[lists[0]][i].numel() for i, t in enumerate(bound[n]))]
         params = bound[lists[0]]
-        chunk_elems = max(1, int(self.cfg.optimizer_chunk_mb * 2**20 / 4))
-        start = 0
-        while start < len(params):
-            end, n = start, 0
-            while end < len(params) and (n == 0 or n + params[end].numel() <= chunk_elems):
-                n += params[end].numel()
-                end += 1
-            part = {k: (list(v[start:end]) if k in lists else v) for k, v in bound.items()}
+        # a multiple of 1024 elements: every piece starts on a vector boundary, so the kernel's vectorised loop
+        # and scalar tail handle the same elements as in one call (an FMA and a mul+add round differently)
+        chunk = max(1024, int(self.cfg.optimizer_chunk_mb * 2**20 / 4) // 1024 * 1024)
+        # the fused kernel writes the gradients only to unscale them (grad_scale): otherwise they are inputs
+        read_only = ("grads",) if bound.get("grad_scale") is None and bound.get("found_inf") is None else ()
+        pieces: list[tuple[int, int, int]] = []  # (tensor index, first element, end)
+        for i, p in enumerate(params):
+            n = p.numel() if (sliced and lists[0] in sliced) else 1
+            pieces += [(i, lo, min(lo + chunk, n)) for lo in range(0, n, chunk)] if n > 1 else [(i, 0, n)]
+        k = 0
+        while k < len(pieces):
+            group, size = [], 0
+            while k < len(pieces) and (not group or size + pieces[k][2] - pieces[k][1] <= chunk):
+                group.append(pieces[k])
+                size += pieces[k][2] - pieces[k][1]
+                k += 1
+            part = dict(bound)
+            for n in lists:
+                if n in sliced:
+                    part[n] = [bound[n][i].view(-1)[lo:hi] for i, lo, hi in group]
+                else:  # (per-tensor scalars such as AdamW's step counters: one per piece, not cut)
+                    part[n] = [bound[n][i] for i, _, _ in group]
             pos = tuple(part[a.name] for a in schema if not a.kwarg_only)
             kw = {a.name: part[a.name] for a in schema if a.kwarg_only and part.get(a.name) is not None}
-            self._naive(f"{op_id}/{start}", "optimizer", func, pos, kw, repair=True)
+            self._naive(f"{op_id}/{group[0][0]}.{group[0][1]}", "optimizer", func, pos, kw, repair=True,
+                        read_only=read_only)
             self.counts["optimizer-chunks"] += 1
-            start = end
         return None
 
     def _mismatch(self, op_id: str, name: str, phase: str, strategy: str, detail: str) -> None:
@@ -527,7 +658,7 @@ class DMREngine:
                 raise _Stale
             return func(*keep[0], **keep[1])
 
-        d = Deferred(op_id, str(func), phase, strategy, window, run, self._fp(out), nbytes, est)
+        d = Deferred(op_id, dops.info(func).name, phase, strategy, window, run, self._fp(out), nbytes, est)
         if strategy == "dynamic":
             self.dynamic.enqueue(Entry(op_id, nbytes, est, lambda d=d: self._check(d, "dynamic")))
         else:
@@ -564,7 +695,8 @@ class DMREngine:
                 self._window_records.append(Window(wid, kind, t0 - self._t0, time.perf_counter() - t0, self._last_op,
                                                    dynamic=kind == "ep"))
         todo = [d for d in self.queue if d.window == wid] + [d for d in self.queue if d.window is None]
-        if not todo and not self.dynamic.queue:
+        tapes = [t for t in self._tapes.values() if t.window == wid and t.complete and not t.replayed]
+        if not todo and not tapes and not self.dynamic.queue:
             return wait()
         closed = threading.Event()
         ran: list[Deferred] = []
@@ -572,6 +704,9 @@ class DMREngine:
         def work() -> None:
             _CHECKING.active = True
             with checker_execution():
+                for tape in tapes:  # planned for this window: they all run
+                    tape.replayed = True
+                    self._replay(tape, kind)
                 for d in todo:
                     if closed.is_set() and d.window != wid:
                         break
@@ -601,7 +736,7 @@ class DMREngine:
         except Exception as err:  # a checker that cannot run is a detection, not a crash of the step
             self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"checker failed: {err}")
             got = None
-        if got is not None and not d.expect.matches(got, self.rtol.get(d.name, 0.0)):
+        if got is not None and not self._agree(d.name, d.expect, got):
             self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"deferred check ({where}) differs")
         with self._lock:
             if d.strategy != "dynamic":
@@ -617,6 +752,10 @@ class DMREngine:
             with checker_execution():
                 for d in todo:
                     self._check(d, "drain")
+                for tape in self._tapes.values():
+                    if not tape.replayed:
+                        tape.replayed = True
+                        self._replay(tape, "drain")
                 self.dynamic.drain()
         finally:
             _CHECKING.active = False
@@ -634,14 +773,14 @@ class DMREngine:
         owner = self._owner(phase)
         if kind is None:
             kind = {"forward": "F", "recompute": "F", "optimizer": "O"}.get(phase, "B")
-            if kind == "B" and any(tuple(t.shape) in self._param_shapes for t in outs) and str(func).startswith(
+            if kind == "B" and any(tuple(t.shape) in self._param_shapes for t in outs) and dops.info(func).name.startswith(
                     ("aten.mm", "aten.sum", "aten.bmm", "aten.embedding_dense_backward")):
                 kind = "W"
         module = self.module() if phase in ("forward", "recompute") else ""
         block = self._block_of(module) if module else (owner[1] if owner else "")
         seg = self._segments[-1][0] if self._segments and phase in ("forward", "recompute") else None
         rec = OpRecord(
-            id=op_id, name=str(func), phase=phase if phase != "optimizer" or self._optimizer_phase else "optimizer",
+            id=op_id, name=dops.info(func).name, phase=phase if phase != "optimizer" or self._optimizer_phase else "optimizer",
             kind=kind, module=module, block=block, ac_segment=f"{seg.path}" if seg is not None else None,
             seg_index=(len(seg.records) - 1 if phase == "forward" else seg.cursor - 1) if seg is not None else -1,
             start_s=t0 - self._t0, time_s=dt,
@@ -694,8 +833,12 @@ class DMREngine:
 
 def _primary(func, args, kwargs):
     """The op's primary execution: an op of the step as far as the fault injector is concerned."""
-    with checker_execution(False):
+    before = getattr(_INJECTOR_FLAG, "active", False)
+    _INJECTOR_FLAG.active = False
+    try:
         return func(*args, **kwargs)
+    finally:
+        _INJECTOR_FLAG.active = before
 
 
 class _Stale(Exception):

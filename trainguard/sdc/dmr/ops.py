@@ -70,10 +70,12 @@ def is_random(func) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
 
 
-def written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an in-place / out= op writes (its mutable arguments), flattened."""
+def written_args(func, args: tuple, kwargs: dict, skip: tuple = ()) -> list[torch.Tensor]:
+    """The tensors an in-place / out= op writes (its mutable arguments, but those named in ``skip``)."""
     out: list[torch.Tensor] = []
     for i, name in info(func).written:
+        if name in skip:
+            continue
         value = kwargs.get(name, args[i] if i < len(args) else None)
         if isinstance(value, torch.Tensor):
             out.append(value)
@@ -91,6 +93,12 @@ def flat(value: Any) -> list[Any]:
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):  # the common cases, without a pytree walk
+        return [value]
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    if value is None:
+        return []
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -107,6 +115,11 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 
 def bitwise_equal(a: Any, b: Any) -> bool:
     """Outputs of two executions are bitwise identical (pytrees of tensors; non-tensors compared with ==)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(int_view(a), int_view(b))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b) and all(
+            isinstance(x, torch.Tensor) for x in (*a, *b)):
+        return all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(int_view(x), int_view(y)) for x, y in zip(a, b))
     fa, spec_a = tree_flatten(a)
     fb, spec_b = tree_flatten(b)
     if spec_a != spec_b or len(fa) != len(fb):
@@ -163,6 +176,18 @@ class Fingerprint:
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             return False  # only finite executions can agree within a tolerance
         return bool(((a[:, 0] - b[:, 0]).abs() <= rtol * a[:, 1].clamp_min(1e-30)).all())
+
+    def gap(self, other: Fingerprint) -> float:
+        """Largest relative difference of the float sums (0 when bitwise equal, inf when shapes or integer
+        outputs differ): what a determinism report records."""
+        if self.shapes != other.shapes:
+            return float("inf")
+        if self.sums is not None and torch.equal(self.sums, other.sums):
+            return 0.0
+        if self.floats is None or other.floats is None:
+            return float("inf")
+        a, b = self.floats.view(-1, 2), other.floats.view(-1, 2)
+        return float(((a[:, 0] - b[:, 0]).abs() / a[:, 1].clamp_min(1e-30)).max())
 
     def nbytes(self) -> int:
         return 16 * len(self.shapes)

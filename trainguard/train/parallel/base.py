@@ -189,6 +189,27 @@ class Strategy:
         """Every rank's ``obj`` on the main rank (None elsewhere): per-rank state for a checkpoint."""
         return [obj]
 
+    def spans_default_group(self) -> bool:
+        return self.world > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == self.world
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """The main rank's ``obj`` on every rank (run-level decisions: which checkpoint a run resumes). A
+        strategy whose ranks decide on their own returns ``obj`` unchanged (None on the other ranks)."""
+        if not self.spans_default_group():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def any_rank(self, trainer: Trainer, flag: bool) -> bool:
+        """Whether ``flag`` is true on some rank, on every rank (a SIGTERM seen by one rank stops them all
+        after the same step). A collective on every rank when the default group spans the run."""
+        if not self.spans_default_group():
+            return bool(flag)
+        t = torch.tensor([int(bool(flag))], dtype=torch.int64, device=trainer.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(int(t))
+
     def writes_checkpoints(self) -> bool:
         """Whether this rank takes part in a checkpoint save (all ranks of a DCP group do)."""
         return True
