@@ -118,7 +118,7 @@ def run(args) -> int:
               f"({cfg.batch} x {cfg.seq_len} tokens per worker step); throughput modelled for {cfg.workers} workers "
               f"under '{cfg.failures}'; real runs: {cfg.run_workers} workers x {cfg.steps} steps "
               f"({cfg.token_budget:,} tokens)" + ("" if cfg.quality else " skipped"))
-    res = bench(cfg, progress=True, note=lambda text: err_console.print(f"  {text}"))
+    res = bench(cfg, progress=True, note=lambda text: err_console.print(f"  {text}", markup=False))
     if args.plot:
         from trainguard.report.mecefo_plot import plot_mecefo
 
