@@ -22,14 +22,20 @@ micro-batches (CPU). Checkpoints are written by the lowest live replica (DCP in 
 A policy is a :class:`GradSyncPolicy`; the default, :class:`DataParallelPolicy`, gives each live replica its
 own ``grad_accum`` slices weighted ``1 / (live * grad_accum)`` (the mean over the live replicas' slices).
 SPARe (stacked redundant shards) and MeCeFO (a neighbor computes a failed replica's slices, tagged
-``{"neighbor"}``) are policies on the same engine. Relies on torch and torchft.
+``{"neighbor"}``) are policies on the same engine. A plan may weight named parameter groups apart from the
+rest (``GradSyncPolicy.param_groups``, ``SyncPlan.group_weights``: MeCeFO averages the attention gradients
+over the slices that computed them). Techniques see each micro-batch through ``micro_contexts`` (entered
+around its forward and backward) and each reduced gradient through ``after_reduce``. Relies on torch and
+torchft.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +76,9 @@ class SyncPlan:
 
     work: dict[int, list[MicroBatch]]
     info: dict[str, Any] = field(default_factory=dict)  # policy notes for the step's record
+    # parameter group (GradSyncPolicy.param_groups) -> slice -> the weight of that group's gradient in the slice,
+    # in place of the micro-batch weight (MeCeFO averages attention gradients over fewer slices than the rest)
+    group_weights: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def counted(self) -> dict[int, float]:
         """slice -> weight of every counted micro-batch."""
@@ -84,6 +93,7 @@ class Recovery:
     count: dict[int, list[int]] = field(default_factory=dict)  # replica -> slices of its kept copies that now count
     reweight: dict[int, float] = field(default_factory=dict)  # slice -> new weight of an already computed slice
     info: dict[str, Any] = field(default_factory=dict)
+    group_weights: dict[str, dict[int, float]] = field(default_factory=dict)  # group -> slice -> new group weight
 
 
 class GradSyncPolicy:
@@ -107,6 +117,11 @@ class GradSyncPolicy:
         the failed replicas' included (extra micro-batches of earlier recoveries appended, copies that now count
         with ``keep=False``; replicas that failed earlier in the step removed)."""
         raise NotImplementedError
+
+    def param_groups(self, model: torch.nn.Module) -> dict[str, list[str]]:
+        """Named groups of parameters (``model.named_parameters()`` names) whose gradients a plan may weight apart
+        from the micro-batch weight (:attr:`SyncPlan.group_weights`). Default: none."""
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -164,6 +179,13 @@ class ElasticStrategy(Strategy):
         self._sync: SyncPlan | None = None
         self._events: list[dict[str, Any]] = []
         self._global_loss: torch.Tensor | None = None
+        # per micro-batch: context managers entered around its forward and backward (``make(trainer, mb)``)
+        self.micro_contexts: list[Callable[[Trainer, MicroBatch], contextlib.AbstractContextManager]] = []
+        # after the gradient all-reduce of a step: ``hook(trainer, view, plan)`` (may run collectives on
+        # ``self.group``; a failed one must be tolerated: the commit vote then fails and the step is re-executed)
+        self.after_reduce: list[Callable[[Trainer, StepView, SyncPlan], None]] = []
+        self._group_ranges: dict[str, list[tuple[int, int]]] | None = None  # group -> (offset, numel) in a row
+        self._row_groups: dict[int, dict[str, float]] = {}  # slice -> group -> weight its row's group part carries
 
     # ---- set-up ---------------------------------------------------------------------------------
     def init(self, trainer: Trainer) -> None:
@@ -259,6 +281,8 @@ class ElasticStrategy(Strategy):
                               joined=m.live - prev if prev else frozenset())
         self._sync = self.policy.plan(self._view)
         self._sync.work = {r: list(mbs) for r, mbs in self._sync.work.items()}
+        self._sync.group_weights = {g: dict(ws) for g, ws in self._sync.group_weights.items()}
+        self._row_groups = {}
         micro = list(self._sync.work.get(self.replica_id, []))
         return StepPlan(step, micro, info={"live": sorted(m.live), **self._sync.info})
 
@@ -288,23 +312,64 @@ class ElasticStrategy(Strategy):
             trainer.model.zero_grad(set_to_none=True)
             return _mean(losses)
         self._apply(trainer, params, buf)
+        for hook in self.after_reduce:
+            hook(trainer, self._view, self._sync)
         return _mean(losses)
 
     def _compute(self, trainer, step, mb, params, rows, kept, losses) -> None:
         """One micro-batch alone: its gradient row (weighted like the single-process trainer's backward)."""
-        trainer.model.zero_grad(set_to_none=True)
-        x, y = trainer.micro_batch(step, mb)
-        loss = trainer.compute_loss(x, y)
-        (loss * mb.weight if mb.weight != 1.0 else loss).backward()
-        loss = loss.detach().float()
-        grads = [p.grad for p in params]
-        row = torch.cat([
-            *((g if g is not None else torch.zeros_like(p)).reshape(-1).float() for g, p in zip(grads, params)),
-            torch.tensor([0.0 if g is None else 1.0 for g in grads], device=loss.device),
-            loss.reshape(1), torch.ones(1, device=loss.device),
-        ])
+        with contextlib.ExitStack() as stack:
+            for make in self.micro_contexts:
+                stack.enter_context(make(trainer, mb))
+            trainer.model.zero_grad(set_to_none=True)
+            x, y = trainer.micro_batch(step, mb)
+            loss = trainer.compute_loss(x, y)
+            (loss * mb.weight if mb.weight != 1.0 else loss).backward()
+            loss = loss.detach().float()
+            grads = [p.grad for p in params]
+            row = torch.cat([
+                *((g if g is not None else torch.zeros_like(p)).reshape(-1).float() for g, p in zip(grads, params)),
+                torch.tensor([0.0 if g is None else 1.0 for g in grads], device=loss.device),
+                loss.reshape(1), torch.ones(1, device=loss.device),
+            ])
+        self._row_groups.pop(mb.index, None)  # a fresh row carries the micro-batch weight in every group
+        if self._sync.group_weights:
+            self._weigh_groups(trainer, row, mb.index, mb.weight)
         (kept if mb.keep else rows)[mb.index] = row
         losses.append(loss)
+
+    # ---- per-parameter-group weights (SyncPlan.group_weights) -------------------------------------
+    def _ranges(self, trainer: Trainer) -> dict[str, list[tuple[int, int]]]:
+        """group -> the (offset, numel) of its parameters in a gradient row (computed once)."""
+        if self._group_ranges is None:
+            groups = self.policy.param_groups(trainer.model)
+            where, off = {}, 0
+            for name, p in trainer.model.named_parameters():
+                if p.requires_grad:
+                    where[name] = (off, p.numel())
+                    off += p.numel()
+            unknown = sorted(n for names in groups.values() for n in names if n not in where)
+            if unknown:
+                raise TrainguardError(f"elastic: policy {self.policy.name!r} names parameters the model does not "
+                                      f"train: {', '.join(unknown[:5])}")
+            self._group_ranges = {g: [where[n] for n in names] for g, names in groups.items()}
+        return self._group_ranges
+
+    def _weigh_groups(self, trainer: Trainer, row: torch.Tensor, t: int, weight: float) -> None:
+        """Make each group's part of slice ``t``'s row carry its planned weight (``weight``: the slice's micro-batch
+        weight, which the row carries where no group weight was applied, and groups the plan does not weight apart
+        keep)."""
+        have = self._row_groups.setdefault(t, {})
+        for g, ranges in self._ranges(trainer).items():
+            now = have.get(g, weight)
+            want = self._sync.group_weights.get(g, {}).get(t, weight)
+            if want != now:
+                if now == 0.0:
+                    raise TrainguardError(f"elastic: policy {self.policy.name!r} gave group {g!r} of slice {t} the "
+                                          f"weight {want} after weight 0 (its gradient was never kept)")
+                for off, k in ranges:
+                    row[off:off + k] *= want / now
+            have[g] = want
 
     def _reduce(self, trainer, plan, params, rows, kept, losses) -> torch.Tensor:
         """All-reduce the counted rows; on a peer failure re-form the quorum, recover, and try again."""
@@ -336,6 +401,8 @@ class ElasticStrategy(Strategy):
                 sync.work.pop(r, None)
             self._events.append({"event": "failure", "failed": sorted(failed), "recovery_s": time.perf_counter() - t0,
                                  **rec.info})
+            for g, ws in rec.group_weights.items():
+                sync.group_weights.setdefault(g, {}).update(ws)
             for r, slices in rec.count.items():
                 for t in slices:
                     sync.work[r] = [replace(mb, keep=False) if mb.index == t else mb for mb in sync.work.get(r, [])]
@@ -353,6 +420,12 @@ class ElasticStrategy(Strategy):
                     sync.work[r] = [replace(mb, weight=w) if mb.index == t and not mb.keep else mb for mb in sync.work[r]]
                 if t in rows and old.get(t, w) != w:
                     rows[t][: width - len(params) - 2] *= w / old[t]
+                    for g in self._row_groups.get(t, {}):
+                        self._row_groups[t][g] *= w / old[t]
+            if sync.group_weights:  # every row's group parts to the weights the plan gives them now
+                mine = {mb.index: mb.weight for mb in sync.work.get(self.replica_id, [])}
+                for t, row in [*rows.items(), *kept.items()]:
+                    self._weigh_groups(trainer, row, t, mine.get(t, 1.0))
 
     def _assemble(self, rows: dict[int, torch.Tensor], n: int, width: int, device) -> torch.Tensor:
         if self.cfg.ordered_reduction:
@@ -431,7 +504,8 @@ class ElasticStrategy(Strategy):
         failed = sorted(set(view.failed) | {r for e in self._events if e["event"] == "failure" for r in e["failed"]})
         self.record = {"step": view.step, "live": sorted(view.live), "failed": failed, "joined": sorted(view.joined),
                        "counted": sync.counted(), "work": {r: len(m) for r, m in sync.work.items()},
-                       "events": list(self._events), "policy": dict(sync.info)}
+                       "events": list(self._events), "policy": dict(sync.info),
+                       "group_weights": {g: dict(ws) for g, ws in sync.group_weights.items()}}
         self.last_live = view.live
         self._start = None
         self._attempt_step, self._attempts = None, 0
