@@ -119,6 +119,9 @@ class ABFTHandle:
     escalations: list = field(default_factory=list)
     #: steps re-executed because of an escalation (counted by the step guard)
     retries: int = 0
+    _pieces: dict = field(default_factory=dict)   # HF attention-interface path: pieces that ran, per layer
+    _hooks: list = field(default_factory=list)    # module hooks to remove on unprotect
+    _attn_impl: str | None = None                 # the model's attention implementation before protect
 
     # -- public API
     def reset_counters(self) -> None:
@@ -156,6 +159,11 @@ class ABFTHandle:
         return tuple(section_due(self.step, f) for f in self.cfg.frequencies)
 
     # -- used by the kernel
+    def _ran(self, layer: int, piece: str) -> None:
+        seen = self._pieces.get(layer)
+        if seen is not None:
+            seen.add(piece)
+
     def fire(self, layer: int, product: str, t: torch.Tensor) -> None:
         """The model's product hooks (fault injection) on a product right after its GEMM, in place."""
         if self._products:
