@@ -71,8 +71,22 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 def tolerance_scale(k: int, m: int, out_dtype: torch.dtype, factor: float) -> float:
     """``tau * (u_out + sqrt(2k + m) u)``: multiply by the magnitude checksum to get the detection threshold
-    (probabilistic accumulation bound; see the module docstring)."""
+    (probabilistic accumulation bound; see the module docstring). For outputs in a lower precision than the
+    accumulators, :func:`detect` keeps the ``u_out`` term apart (:func:`output_rounding`)."""
     return factor * (unit_roundoff(out_dtype) + math.sqrt(2 * k + m) * U_ACC)
+
+
+def low_precision(out_dtype: torch.dtype) -> bool:
+    """Whether rounding the product to its dtype costs more than fp32 accumulation (bf16, fp16)."""
+    return unit_roundoff(out_dtype) > U_ACC
+
+
+def output_rounding(abs_sum: torch.Tensor, mag: torch.Tensor, out_dtype: torch.dtype, factor: float) -> torch.Tensor:
+    """``tau * u_out * min(sum_i |c_ij|, M_j)``: the rounding of a low-precision product to its dtype. Every
+    element is rounded by at most ``u_out`` of itself, so the product's own magnitude bounds it (``sqrt(k)``
+    times tighter than ``M`` for random-like data); ``M``, computed from the inputs, caps it so that a
+    corrupted element cannot raise its own column's threshold."""
+    return torch.fmin(abs_sum, mag).mul_(factor * unit_roundoff(out_dtype))  # fmin: a NaN sum gives M
 
 
 def worst_case_scale(k: int, m: int, out_dtype: torch.dtype, factor: float) -> float:
@@ -270,7 +284,11 @@ def detect(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
         expected = torch.add(expected, bias32, alpha=m)
         mag = torch.add(mag, bias32.abs(), alpha=m)
     col = colsum(c)
-    tol = threshold(mag, tolerance_scale(k, m, c.dtype, factor), underflow_floor(m, c.dtype, factor))
+    if low_precision(c.dtype):  # the rounding to c's dtype, bounded by |c| itself (capped by M)
+        tol = threshold(mag, tolerance_scale(k, m, torch.float32, factor), underflow_floor(m, c.dtype, factor))
+        tol = tol.add_(output_rounding(c.abs().sum(-2, keepdim=True, dtype=torch.float32), mag, c.dtype, factor))
+    else:
+        tol = threshold(mag, tolerance_scale(k, m, c.dtype, factor), underflow_floor(m, c.dtype, factor))
     flag = torch.le((col - expected).abs_(), tol).logical_not_()
     return GemmCheck(c=c, a=a, b=b, bias=bias, col=col, expected=expected, mag=mag, tol=tol, flag=flag,
                      factor=factor, alpha=alpha, a_col=carried, rerun=rerun, extra=extra)
@@ -309,6 +327,25 @@ class _Reference:
     worst1: torch.Tensor
     wm: torch.Tensor
     wn: torch.Tensor
+    mags: tuple | None = None        # (mag1, mag2, rmag1, rmag2) of a low-precision product
+    out_dtype: torch.dtype = torch.float32
+    factor: float = 2.0
+
+    def with_output(self, cb: torch.Tensor) -> _Reference:
+        """The tolerances for the candidate values ``cb`` (a low-precision product's rounding term is bounded
+        by the candidate's own magnitudes, capped by the input-derived ones)."""
+        if self.mags is None:
+            return self
+        a = cb.abs()
+        mag1, mag2, rmag1, rmag2 = self.mags
+        f, dt = self.factor, self.out_dtype
+        return _Reference(
+            s1=self.s1, s2=self.s2, r1=self.r1, r2=self.r2,
+            tol1=self.tol1 + output_rounding(a.sum(1), mag1, dt, f),
+            tol2=self.tol2 + output_rounding(torch.matmul(self.wm, a), mag2, dt, f),
+            rtol1=self.rtol1 + output_rounding(a.sum(2), rmag1, dt, f),
+            rtol2=self.rtol2 + output_rounding(torch.matmul(a, self.wn), rmag2, dt, f),
+            worst1=self.worst1, wm=self.wm, wn=self.wn)
 
 
 def _reference(ab: torch.Tensor, bb: torch.Tensor, bias32: torch.Tensor | None, out_dtype: torch.dtype,
@@ -333,7 +370,9 @@ def _reference(ab: torch.Tensor, bb: torch.Tensor, bias32: torch.Tensor | None, 
         s2, mag2 = s2 + wm.sum() * bias32, mag2 + wm.sum() * bias_abs
         r1, rmag1 = r1 + bias32.sum(), rmag1 + bias_abs.sum()
         r2, rmag2 = r2 + (wn * bias32).sum(), rmag2 + (wn * bias_abs).sum()
-    col_scale, row_scale = tolerance_scale(k, m, out_dtype, factor), tolerance_scale(k, n, out_dtype, factor)
+    low = low_precision(out_dtype)
+    acc_dtype = torch.float32 if low else out_dtype  # the rounding to a low-precision dtype: with_output()
+    col_scale, row_scale = tolerance_scale(k, m, acc_dtype, factor), tolerance_scale(k, n, acc_dtype, factor)
     return _Reference(
         s1=s1, s2=s2, r1=r1, r2=r2,
         tol1=threshold(mag1, col_scale, underflow_floor(m, out_dtype, factor)),
@@ -341,7 +380,7 @@ def _reference(ab: torch.Tensor, bb: torch.Tensor, bias32: torch.Tensor | None, 
         rtol1=threshold(rmag1, row_scale, underflow_floor(n, out_dtype, factor)),
         rtol2=threshold(rmag2, row_scale, underflow_floor(n * n, out_dtype, factor)),
         worst1=threshold(mag1, worst_case_scale(k, m, out_dtype, factor), underflow_floor(m, out_dtype, factor)),
-        wm=wm, wn=wn)
+        wm=wm, wn=wn, mags=(mag1, mag2, rmag1, rmag2) if low else None, out_dtype=out_dtype, factor=factor)
 
 
 def _changed(cb: torch.Tensor, cb0: torch.Tensor) -> torch.Tensor:
@@ -350,9 +389,10 @@ def _changed(cb: torch.Tensor, cb0: torch.Tensor) -> torch.Tensor:
 
 
 def _slack(ch: torch.Tensor, ref: _Reference) -> tuple[torch.Tensor, ...]:
-    """Extra tolerance a corrected element brings into the checks across it: a value rebuilt from a column
-    checksum is exact only up to that column's tolerance (and likewise for rows). Returns the slack of the
-    column sums, weighted column sums, row sums and weighted row sums."""
+    """Extra tolerance a corrected element brings into the checks across it during the EEC passes: a value
+    rebuilt from a column checksum is exact only up to that column's tolerance (and likewise for rows), and
+    a later pass must not take that residue for another error. (The final verification has no slack.)
+    Returns the slack of the column sums, weighted column sums, row sums and weighted row sums."""
     if not bool(ch.any()):
         z = torch.zeros((), device=ch.device)
         return z, z, z, z
@@ -364,6 +404,7 @@ def _eec_pass(cb: torch.Tensor, cb0: torch.Tensor, ref: _Reference, columns: boo
               t_correct: float) -> None:
     """One EEC-ABFT pass over the columns (or rows) of ``cb`` that disagree with their reference checksum;
     corrections are written into ``cb`` (they are verified later, against the other direction)."""
+    ref = ref.with_output(cb)
     sc1, sc2, sr1, sr2 = _slack(_changed(cb, cb0), ref)
     if columns:
         s1, s2, tol1, tol2 = ref.s1, ref.s2, ref.tol1 + sc1, ref.tol2 + sc2
@@ -383,15 +424,32 @@ def _eec_pass(cb: torch.Tensor, cb0: torch.Tensor, ref: _Reference, columns: boo
         cb[i[ok], j[ok], res.index[ok]] = res.new[ok]
 
 
-def _verified(cb: torch.Tensor, cb0: torch.Tensor, ref: _Reference) -> bool:
-    """All four reference checksums agree with ``cb`` (with the slack of the elements changed from ``cb0``)."""
+def _recompute_elements(cb: torch.Tensor, cb0: torch.Tensor, ab: torch.Tensor, bb: torch.Tensor,
+                        bias32: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+    """The elements EEC-ABFT located get their value from their own dot product ``a_i . b_j (+ bias_j)``
+    (rounded to the product's dtype) rather than from the checksum: a value rebuilt from a checksum carries
+    the rounding of the whole column (in bf16, ``u_out`` times the column's magnitude), the dot product
+    only its own. A wrongly located element recomputes to its (unchanged) value, and the verification
+    that follows then fails."""
+    i, r, j = _changed(cb, cb0).nonzero(as_tuple=True)
+    if len(i) == 0:
+        return
+    vals = (ab[i, r, :] * bb[i, :, j]).sum(-1)
+    if bias32 is not None:
+        vals = vals + bias32[j]
+    cb[i, r, j] = vals.to(out_dtype).float()
+
+
+def _verified(cb: torch.Tensor, ref: _Reference) -> bool:
+    """All four reference checksums agree with ``cb`` within their plain tolerances (no slack for corrected
+    elements: a correction too imprecise to pass is recomputed instead, never accepted loosely)."""
     if not bool(cb.isfinite().all()):
         return False
-    sc1, sc2, sr1, sr2 = _slack(_changed(cb, cb0), ref)
-    ok = ((cb.sum(1) - ref.s1).abs() <= ref.tol1 + sc1).all()
-    ok &= ((torch.matmul(ref.wm, cb) - ref.s2).abs() <= ref.tol2 + sc2).all()
-    ok &= ((cb.sum(2) - ref.r1).abs() <= ref.rtol1 + sr1).all()
-    ok &= ((torch.matmul(cb, ref.wn) - ref.r2).abs() <= ref.rtol2 + sr2).all()
+    ref = ref.with_output(cb)
+    ok = ((cb.sum(1) - ref.s1).abs() <= ref.tol1).all()
+    ok &= ((torch.matmul(ref.wm, cb) - ref.s2).abs() <= ref.tol2).all()
+    ok &= ((cb.sum(2) - ref.r1).abs() <= ref.rtol1).all()
+    ok &= ((torch.matmul(cb, ref.wn) - ref.r2).abs() <= ref.rtol2).all()
     return bool(ok)
 
 
@@ -447,7 +505,8 @@ def resolve(chk: GemmCheck, *, correct: bool = True, recompute: bool = True,
         cb = cb0.clone()
         for columns in (True, False, True):
             _eec_pass(cb, cb0, ref, columns, near_inf, t_correct)
-        if _verified(cb, cb0, ref):
+        _recompute_elements(cb, cb0, ab, bb, bias32, c.dtype)
+        if _verified(cb, ref):
             ch = _changed(cb, cb0)
             i, r, j = ch.nonzero(as_tuple=True)
             fixes = [(int(bidx[f]), int(rr), int(jj), float(o), float(nv)) for f, rr, jj, o, nv in
@@ -470,7 +529,7 @@ def resolve(chk: GemmCheck, *, correct: bool = True, recompute: bool = True,
         else:
             fresh = _matmul(ab, bb, bias32).to(c.dtype)
         fr = fresh.float()
-        verified = _verified(fr, fr, ref)
+        verified = _verified(fr, ref)
         if not verified and chk.rerun is not None and _within_worst_case(fr, ref):
             # roundoff above the detection threshold: a second recomputation must agree bit for bit
             verified = bool(torch.equal(_batch_rows(chk.rerun(), batch_shape, bidx), fresh))
