@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from trainguard.errors import ConfigError
-from trainguard.sdc.abft import PRODUCTS, ABFTConfig, protect, unprotect
+from trainguard.sdc.abft import PRODUCTS, SECTIONS, ABFTConfig, protect, unprotect
 from trainguard.sdc.abft.campaign import build, vocab_size
 from trainguard.train.device import device_named
 from trainguard.train.host_memory import host_memory_mode, retain_freed_memory
@@ -151,7 +151,7 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
         modes["abft+backward"] = ABFTConfig(backward=True)
     n_recovery = max(len(PRODUCTS), rounds)
     n_restore = max(3, rounds)
-    bar = TaskBar(progress, f"bench abft {model_name}", 1 + rounds * (3 + steps) + n_recovery + n_restore,
+    bar = TaskBar(progress, f"bench abft {model_name}", 1 + rounds * (3 + steps) + rounds + n_recovery + n_restore,
                   refresh_per_second=2)
     t_step: dict[str, list[float]] = {m: [] for m in modes}
     t_att: dict[str, list[float]] = {m: [] for m in modes}
@@ -184,6 +184,7 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
                     acc[mode].append(statistics.median(ts))
                     if mode in pairs:
                         pairs[mode] += [t / p for t, p in zip(ts, per["plain"])]
+        section_cost = _section_costs(model, attention, rounds, bar, timed)
         recovery = _recovery(model, step, n_recovery, bar, timed)
         restore = _dcp_restore(model, model_name, opt, n_restore, bar, timed)
     finally:
@@ -222,6 +223,8 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
         "break_even_steps_per_fault": 1 / break_even if break_even > 0 else math.inf,
         "net_time_saved": {"faults_per_step": rates,
                            "fraction_of_step": [(r * gain - detection * t_plain) / t_plain for r in rates]},
+        "section_check_cost_s": section_cost,
+        "section_check_cost_vs_attention": {s: c / med_att["plain"] for s, c in section_cost.items()},
         "faults_corrected_in_recovery_runs": recovery["corrected"],
         "recovery_faults_injected": len(recovery["faulty"]),
         "correction_s": {"median": correction, "max": max(corr) if corr else math.nan, "all": corr},
@@ -240,6 +243,28 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
             out[key + suffix + "_ratio_of_medians"] = meds[mode] / meds["plain"] - 1
             out[key + suffix + "_pair_ratios"] = pairs[mode]
     return out
+
+
+def _section_costs(model, attention, rounds: int, bar: TaskBar,
+                   timed: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
+    """Seconds one attention layer (forward + backward) spends checking each section alone: per slot the
+    kernel runs with its checks off and with only section S due, back to back (order flipped every slot);
+    the cost is the median over slots of the paired difference (for ``plan abft --costs-from``)."""
+    cfgs = {"off": ABFTConfig(check=False), "AS": ABFTConfig(frequencies=(1.0, 0.0, 0.0)),
+            "CL": ABFTConfig(frequencies=(0.0, 1.0, 0.0)), "O": ABFTConfig(frequencies=(0.0, 0.0, 1.0))}
+    diffs: dict[str, list[float]] = {s: [] for s in SECTIONS}
+    for r in range(rounds):
+        for i in range(3):
+            order = list(cfgs) if (r + i) % 2 == 0 else list(reversed(list(cfgs)))
+            t = {}
+            for mode in order:
+                protect(model, cfgs[mode])
+                t[mode] = timed(attention)
+                unprotect(model)
+            for s_ in SECTIONS:
+                diffs[s_].append(t[s_] - t["off"])
+        bar.advance(f"round {r + 1}/{rounds} section costs")
+    return {s_: max(statistics.median(v), 0.0) for s_, v in diffs.items()}
 
 
 def _recovery(model, step, n: int, bar: TaskBar, timed: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
