@@ -369,21 +369,19 @@ def sliding_causal_bias(tq: int, tk: int, window: int, dtype: torch.dtype, devic
 
 
 class _MaskInfo:
-    """The 0/1 pattern of the keys a mask allows (``allowed``, the mask's shape), the mask's own sum over
-    them (None when it is 0 there, the usual case) and which rows allow any key (``rows``)."""
+    """The 0/1 pattern of the keys a mask allows (``allowed``, the mask's shape), the mask's own sum and
+    absolute sum over them (0 for the usual 0 / -inf masks) and which rows allow any key (``rows``).
+    Computed for every call, without a host sync: the same ops in a forward and in its activation-
+    checkpoint recomputation (no cache that the first layer fills and the others read)."""
 
-    __slots__ = ("allowed", "bias", "bias_abs", "bias_sum", "rows", "version")
+    __slots__ = ("allowed", "bias_abs", "bias_sum", "rows")
 
     def __init__(self, bias: torch.Tensor):
-        self.bias, self.version = bias, bias._version  # held: no other tensor can take its place meanwhile
         ok = bias > torch.finfo(bias.dtype).min / 2
         self.allowed = ok.to(bias.dtype)
         self.rows = ok.any(-1).to(torch.float32)
-        if bool((bias * self.allowed).ne(0).any()):  # additive values on allowed keys (e.g. a position bias)
-            self.bias_sum = _allowed_sum(bias, self.allowed)
-            self.bias_abs = _allowed_sum(bias.abs(), self.allowed)
-        else:
-            self.bias_sum = self.bias_abs = None
+        self.bias_sum = _allowed_sum(bias, self.allowed)
+        self.bias_abs = _allowed_sum(bias.abs(), self.allowed)
 
 
 def _allowed_sum(t: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -391,15 +389,6 @@ def _allowed_sum(t: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.float32 and allowed.dtype == torch.float32:
         return torch.linalg.vecdot(t, allowed)
     return torch.sum(t * allowed, -1, dtype=torch.float32)
-
-
-def mask_info(rt, bias: torch.Tensor) -> _MaskInfo:
-    """``_MaskInfo`` of ``bias``, cached on ``rt`` for the bias last seen (every layer sees the same one)."""
-    info = getattr(rt, "_mask_info", None)
-    if info is None or info.bias is not bias or info.version != bias._version:
-        info = _MaskInfo(bias)
-        rt._mask_info = info
-    return info
 
 
 class _Pending:
@@ -468,15 +457,11 @@ def _core(rt, layer: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, 
 
     # ---- mask and softmax (non-GEMM): checked against the verified scores
     pending: list[_Pending] = []
-    info = mask_info(rt, bias) if bias is not None else None
+    info = _MaskInfo(bias) if bias is not None else None
     before = None
     if info is not None and due_as:
-        before = _allowed_sum(scores, info.allowed)
-        if info.bias_sum is not None:
-            before = before + info.bias_sum
-        mag = scores_chk.mag.reshape(bsz, n_heads, t) if scores_chk is not None else before.abs()
-        if info.bias_abs is not None:
-            mag = mag + info.bias_abs
+        before = _allowed_sum(scores, info.allowed) + info.bias_sum
+        mag = scores_chk.mag.reshape(bsz, n_heads, t) + info.bias_abs
         tol_m = cks.threshold(mag, cks.tolerance_scale(0, scores.shape[-1], scores.dtype, fac),
                               cks.underflow_floor(scores.shape[-1], scores.dtype, fac))
 
@@ -693,7 +678,7 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
 def _finite_bias(bias: torch.Tensor) -> torch.Tensor:
     """-inf entries of an additive mask as the dtype's most negative finite value (same softmax; the masked
     sums of the checks stay finite)."""
-    if bias.is_floating_point() and bool(torch.isinf(bias).any()):
+    if bias.is_floating_point():  # (no host sync to find out whether there is any -inf: always clamp)
         return bias.clamp_min(torch.finfo(bias.dtype).min)
     return bias
 

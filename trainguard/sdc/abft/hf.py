@@ -88,44 +88,21 @@ def refuse_unsupported(model: nn.Module) -> None:
             raise TrainguardError(f"ABFT protects self-attention only: {name} has cross-attention layers")
 
 
-class _BiasCache:
-    """The additive bias made from one attention mask, kept while every layer of a forward asks for it (the
-    mask tensor is held, so no other tensor can take its address meanwhile)."""
-
-    def __init__(self):
-        self.key = None
-        self.bias = None
-
-    def get(self, mask, args, make):
-        key = (mask, None if mask is None else mask._version, args)
-        if self.key is None or self.key[0] is not mask or self.key[1:] != key[1:]:
-            self.key, self.bias = key, make()
-        return self.bias
-
-
-def _bias_cache(handle) -> _BiasCache:
-    cache = getattr(handle, "_bias_cache", None)
-    if cache is None:
-        cache = handle._bias_cache = _BiasCache()
-    return cache
-
-
 def _bias_fn(handle, attention_mask, causal: bool, window: int | None = None):
     """The mask as an additive bias (see ``protected_attention``): None -> causal mask (sliding with
     ``window``), or nothing; bool (True = attend) -> finfo.min where masked (``min + scale * s`` rounds to
-    ``min`` exactly, as the eager ``masked_fill`` gives, for any |scale * s| < 1e31); float -> itself."""
+    ``min`` exactly, as the eager ``masked_fill`` gives, for any |scale * s| < 1e31); float -> itself.
+    Made again for every layer (a (B, 1, T, T) pass): a cache filled by the first layer would make a
+    forward and its activation-checkpoint recomputation run different ops."""
     def fn(tq: int, tk: int, dtype: torch.dtype, device: torch.device):
         if attention_mask is None:
             if window is not None and tk > window:
                 return sliding_causal_bias(tq, tk, window, dtype, device)
             return causal_bias(tq, tk, dtype, device) if causal and tq > 1 else None
-
-        def make():
-            if attention_mask.dtype == torch.bool:
-                return torch.zeros(attention_mask.shape, dtype=dtype, device=device).masked_fill_(
-                    ~attention_mask, torch.finfo(dtype).min)
-            return attention_mask.to(dtype)
-        return _bias_cache(handle).get(attention_mask, (tq, tk, dtype, device), make)
+        if attention_mask.dtype == torch.bool:
+            return torch.zeros(attention_mask.shape, dtype=dtype, device=device).masked_fill_(
+                ~attention_mask, torch.finfo(dtype).min)
+        return attention_mask.to(dtype)
     return fn
 
 
