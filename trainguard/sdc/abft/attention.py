@@ -210,22 +210,27 @@ class ProtectedMatmul(torch.autograd.Function):
         if g.dim() > 2 and not g.is_contiguous():
             g = g.contiguous()  # once, rather than inside each of the two matmuls
         checks = []
+        gg = _grouped(g, grp)
+        if b.dim() == 2 and a.dim() > 2:
+            a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+        else:
+            a2, g2 = _grouped(a, grp), gg
+        # the two checks' GEMVs over the gradient in one pass: 1^T g (check of dA = g B^T) and
+        # (A 1)^T g (check of dB = A^T g, rows of A summed)
+        col_g = exp_b = a_rows = None
+        if due and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            col_g, exp_b, a_rows = _gradient_gemv(gg, g2, a2)
         if ctx.needs_input_grad[0]:
             bt = b if spec.bt else b.transpose(-1, -2)
-            gg = _grouped(g, grp)
             ga_g = _bmm(gg, bt, alpha)
             ga = _ungrouped(ga_g, grp)
             for p in parts:
                 rt.fire(layer, BACKWARD_PRODUCTS[p[0]][0], ga)
             if due:
-                checks.append((cks.detect(ga_g, gg, bt, factor=fac, alpha=alpha,
+                checks.append((cks.detect(ga_g, gg, bt, factor=fac, alpha=alpha, a_col=col_g, carried=False,
                                           rerun=lambda: _bmm(gg, bt, alpha)),
                                [(BACKWARD_PRODUCTS[due[0][0]][0], None, None)]))
         if ctx.needs_input_grad[1]:
-            if b.dim() == 2 and a.dim() > 2:
-                a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
-            else:
-                a2, g2 = _grouped(a, grp), _grouped(g, grp)
             at = a2.transpose(-1, -2)
             if spec.bt:  # d(b) = dC^T A, in b's (n, k) layout; its transpose A^T dC is what is checked
                 gb = _bmm(g2.transpose(-1, -2), a2, alpha)
@@ -242,11 +247,14 @@ class ProtectedMatmul(torch.autograd.Function):
                 rt.fire(layer, BACKWARD_PRODUCTS[p][1], gb if plo is None else gview[..., plo:phi])
             if due:
                 lo, hi = due[0][1], due[-1][2]
+                a_col = a_rows
                 if lo is None or (lo == 0 and hi == gview.shape[-1]):
-                    chk = cks.detect(gview, at, g2, factor=fac, alpha=alpha, rerun=rerun_b)
+                    chk = cks.detect(gview, at, g2, factor=fac, alpha=alpha, rerun=rerun_b, a_col=a_col,
+                                     carried=False, expected=exp_b)
                 else:
                     chk = cks.detect(gview[..., lo:hi], at, g2[..., lo:hi], factor=fac, alpha=alpha,
-                                     rerun=lambda: rerun_b()[..., lo:hi])
+                                     rerun=lambda: rerun_b()[..., lo:hi], a_col=a_col, carried=False,
+                                     expected=None if exp_b is None else exp_b[..., lo:hi])
                 checks.append((chk, [(BACKWARD_PRODUCTS[p][1], None if plo is None else plo - (lo or 0),
                                       None if plo is None else phi - (lo or 0)) for p, plo, phi, _ in due]))
             if gb.dim() > b.dim():
@@ -257,6 +265,25 @@ class ProtectedMatmul(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gbias = g.reshape(-1, g.shape[-1]).sum(0)
         return ga, gb, gbias, None
+
+
+def _gradient_gemv(gg: torch.Tensor, g2: torch.Tensor, a2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One pass over the output gradient for both backward checks of a node: ``1^T g`` per batch slice of
+    ``gg`` (..., m, n) (the input checksum of ``dA = g B^T``) and ``(A 1)^T g2`` (the predicted checksum of
+    ``dB = A^T g2``, before alpha), fp32. ``g2`` is ``gg`` itself, or its rows flattened over the batch (a
+    2-D weight's gradient sums over the batch): then the per-slice sums are rows of the same GEMV. Also
+    returns ``(A 1)^T`` (``1^T`` of ``A^T``, the second check's input checksum)."""
+    g32 = g2 if g2.dtype == torch.float32 else g2.float()
+    row_sums = a2.sum(-1, dtype=torch.float32).unsqueeze(-2)          # (..., 1, rows of g2)
+    if g2.dim() == gg.dim():
+        both = torch.matmul(torch.cat([torch.ones_like(row_sums), row_sums], -2), g32)
+        return both[..., :1, :], both[..., 1:, :], row_sums
+    nb, m = math.prod(gg.shape[:-2]), gg.shape[-2]
+    sel = torch.zeros(nb + 1, nb * m, dtype=torch.float32, device=g2.device)
+    sel[:nb].view(nb, nb, m)[torch.arange(nb), torch.arange(nb)] = 1.0   # block rows: one per batch slice
+    sel[nb] = row_sums[0]
+    both = torch.matmul(sel, g32)
+    return both[:nb].view(*gg.shape[:-2], 1, gg.shape[-1]), both[nb:], row_sums
 
 
 class _ScaledSoftmax(torch.autograd.Function):

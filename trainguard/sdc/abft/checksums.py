@@ -243,7 +243,8 @@ def detect(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
            a_col: torch.Tensor | None = None, a_rn: torch.Tensor | None = None,
            b_cn: torch.Tensor | None = None, b_nonneg: bool = False, factor: float = 2.0,
            alpha: float = 1.0, rerun: Callable[[], torch.Tensor] | None = None,
-           extra_rows: torch.Tensor | None = None) -> GemmCheck:
+           extra_rows: torch.Tensor | None = None, carried: bool | None = None,
+           expected: torch.Tensor | None = None) -> GemmCheck:
     """Fast-path detection for ``c = alpha * a @ b + bias`` (see the module docstring for the bound; a GEMM's
     ``alpha`` scales the product, its checksum and its roundoff alike).
 
@@ -253,11 +254,12 @@ def detect(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
     ``M = (1^T |A|) B`` comes out of the same GEMV as the checksum (one pass over B, no norms).
     ``extra_rows`` (..., r, k) (with ``b_nonneg``): more row vectors multiplied by B in the same GEMV;
     their products are ``chk.extra`` (..., r, n) (the kernel gets ``1^T AP^T``, the softmax row sums, so).
-    ``rerun``: see :class:`GemmCheck`. A given ``a_col`` is a carried checksum: the slow path compares it
-    with ``A`` as it is then.
+    ``rerun``: see :class:`GemmCheck`. A given ``a_col`` is a carried checksum (the slow path compares it
+    with ``A`` as it is then) unless ``carried=False`` (it was just computed from ``A``). ``expected``
+    (..., 1, n): ``a_col @ B`` already computed (e.g. in one GEMV with other rows over the same B).
     """
     m, k = a.shape[-2], a.shape[-1]
-    carried = a_col
+    carried = a_col if carried is None or carried else None
     if a_col is None:
         a_col = colsum(a)
     b32 = b if b.dtype == torch.float32 else b.float()
@@ -275,7 +277,7 @@ def detect(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
             a_rn = row_norm_sum(a)
         if b_cn is None:
             b_cn = col_norms(b)
-        expected = torch.matmul(a_col, b32)
+        expected = torch.matmul(a_col, b32) if expected is None else expected
         mag = a_rn * b_cn
     if alpha != 1.0:
         expected, mag = expected * alpha, mag * abs(alpha)
