@@ -32,3 +32,11 @@ def test_demo_injection_ruins_an_unprotected_run():
     assert res["nonfinite_params"] == res["params"] and res["outcome"].startswith("ruined")
     clean = run_demo(6, None, inject=False, progress=False, batches=res["_batches"])
     assert clean["first_nan_step"] is None and clean["steps_run"] == 6 and clean["outcome"] == "healthy"
+
+
+def test_demo_dmr_part_detects_rolls_back_and_ends_bitwise_equal():
+    from trainguard.cli.commands.demo import run_dmr_demo
+
+    res = run_dmr_demo(4, progress=False)
+    assert res["injected_at_step"] is not None and res["detected"] >= 1 and res["steps_re_executed"] >= 1
+    assert res["final_loss_dmr"] == res["final_loss_fault_free"] and res["parameters_bitwise_equal"]

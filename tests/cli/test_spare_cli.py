@@ -1,4 +1,4 @@
-"""``trainguard spare`` and ``trainguard plan cluster`` CLI: JSON last line, one-line errors with exit 2."""
+"""``trainguard spare`` CLI: JSON last line, one-line errors with exit 2 (``plan cluster``: test_plan_cluster_cli.py)."""
 
 import json
 import subprocess
@@ -42,14 +42,34 @@ def test_simulate_json(capsys, scheme, r):
     assert d["params"]["total_gpus"] == 128
 
 
-def test_plan_cluster(capsys, tmp_path):
-    assert main(["plan", "cluster", "--gpus", "600000", "--gpus-per-group", "3000", "--mtbf-per-gpu-hours", "50680",
-                 "--restart-minutes", "30", "--checkpoint-minutes", "1", "--out", str(tmp_path), "--json"]) == 0
+def test_compare_json_paired_with_paper(capsys):
+    assert main(["spare", "compare", "--groups", "16", "--seeds", "2", "--max-redundancy", "3", "--total-gpus", "128",
+                 "--gpu-mtbf-hours", "32", "--base-steps", "60", "--restart-s", "600", "--checkpoint-s", "30",
+                 "--model-params", "4e9", "--json"]) == 0
     d = _json_last(capsys)
-    assert d["groups"] == 200 and 2 <= d["recommended_redundancy"] <= 12
-    assert d["recommended_checkpoint_period_min"] > 1 and 0 < d["expected_availability"] < 1
-    for f in d["figures"].values():
-        assert (tmp_path / f.split("/")[-1]).stat().st_size > 1000
+    assert d["paper"] is None and len(d["gain_vs_replication_ci"]) == 2
+    assert {row["scheme"] for row in d["rows"]} == {"spare", "replication", "checkpoint"}
+    for row in d["rows"]:
+        assert len(row["per_seed_days"]) == 2 and len(row["time_to_train_days_ci"]) == 2
+
+
+def test_every_cluster_parameter_is_a_flag(capsys):
+    assert main(["spare", "simulate", "--groups", "16", "--scheme", "spare", "--redundancy", "3", "--total-gpus", "128",
+                 "--base-steps", "30", "--shrink-s", "2.5", "--controller-s", "0.25", "--jitter", "0",
+                 "--hop-latency-s", "1e-5", "--gpu-bandwidth-gbps", "100", "--allreduce-algorithm", "halving-doubling",
+                 "--renewal", "failure", "--no-domain-aware", "--json"]) == 0
+    d = _json_last(capsys)
+    pr = d["params"]
+    assert (pr["shrink_s"], pr["controller_s"], pr["jitter"], pr["hop_latency_s"]) == (2.5, 0.25, 0.0, 1e-5)
+    assert pr["allreduce_algorithm"] == "halving-doubling" and pr["renewal"] == "failure" and pr["domain_aware"] is False
+
+
+def test_network_alpha_beta_json(capsys):
+    assert main(["spare", "network", "--groups", "4", "64", "--gpus-per-group", "8", "--model-params", "4e9",
+                 "--checkpoint-gb", "10", "--json"]) == 0
+    d = _json_last(capsys)
+    ring = [row["alpha_beta_allreduce_s"] for row in d["rows"]]
+    assert ring[0] < ring[1] and d["alpha_beta_checkpoint_s"] > 0
 
 
 @pytest.mark.parametrize("argv", [
@@ -57,6 +77,9 @@ def test_plan_cluster(capsys, tmp_path):
     ["spare", "simulate", "--groups", "16", "--scheme", "spare", "--redundancy", "13", "--json"],
     ["plan", "cluster", "--gpus", "100", "--gpus-per-group", "200", "--mtbf-per-gpu-hours", "10",
      "--restart-minutes", "1", "--checkpoint-minutes", "1", "--json"],
+    ["spare", "compare", "--groups", "16", "--seeds", "0", "--json"],
+    ["spare", "simulate", "--groups", "16", "--scheme", "spare", "--redundancy", "3", "--weibull-shape", "-1", "--json"],
+    ["spare", "network", "--groups", "4", "--gpus-per-group", "0", "--json"],
     ["spare", "run", "--groups", "4", "--kill", "9@2", "--json"],
     ["spare", "run", "--groups", "4", "--kill", "1@two", "--json"],
     ["spare", "run", "--groups", "4", "--redundancy", "3", "--json"],

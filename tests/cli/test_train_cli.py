@@ -69,3 +69,53 @@ def test_subprocess_exit_code_and_no_traceback(tmp_path):
                           timeout=120)
     assert proc.returncode == 2
     _one_line_error(proc.stderr, "checkpoint.resume is true but checkpoint.dir is empty")
+
+
+def test_help_lists_every_config_key_with_type_default_and_meaning(capsys):
+    from trainguard.config import config_help
+
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    for key, typ, default, help_text in config_help():
+        line = next((x for x in lines if x.startswith(f"  --{key}  ")), None)
+        assert line is not None, key
+        assert typ in line and f"(default: {default})" in line, line
+        if help_text:
+            assert help_text in text, key
+    assert "--checkpoint.resume true" in text and "130" in text and "143" in text
+
+
+def test_json_summary_of_a_resumed_run(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    args = ["train", *SMALL, "--data.max_bytes", "100000", "--output.dir", str(tmp_path / "out"), "--checkpoint.dir", ck]
+    assert main(args) == 0
+    assert main([*args, "--train.steps", "5", "--checkpoint.resume", "true", "--json"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["start_step"] == 3 and summary["end_step"] == 5 and summary["resumed_from"].endswith("step_00000003")
+    assert summary["resume_changes"] == {"train.steps": [3, 5]}
+    assert "resuming run" in captured.err and "train.steps 3 -> 5" in captured.err
+    assert main([*args, "--train.steps", "5", "--checkpoint.resume", "true", "--json"]) == 0  # finished: nothing to do
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["already_finished"] is True
+    assert "already finished" in captured.err
+
+
+@pytest.mark.slow
+def test_ddp_error_is_printed_once_with_exit_2(tmp_path):
+    """Before: one traceback per rank plus torchrun's ChildFailedError block, exit 1."""
+    ck = tmp_path / "ck"
+    base = ["train", *SMALL, "--data.max_bytes", "100000", "--data.batch_size", "4", "--output.dir", str(tmp_path / "out"),
+            "--checkpoint.dir", str(ck)]
+    assert main(base) == 0  # another run's checkpoint in the folder
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, "-m", "trainguard", *base, "--distributed.dp", "2"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("trainguard: error: checkpoint.dir"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr

@@ -165,3 +165,56 @@ def test_stateless_reorder_from_scrambled_orders_matches_brute_force(seed):
     covered, s_star, cost = _brute(p, orders, s, after)
     assert (res.phase == "fixed") == covered and res.stack == s_star and res.moved == cost
     _check_result(p, orders, s, after, res)
+
+
+def _scipy_min_cost(p, orders, alive, s):
+    """Library reference: scipy's min_weight_full_bipartite_matching (LAPJVsp) on types x (alive group, copy),
+    weight 1 + movement cost; ``None`` when no assignment with at most ``s`` types per group exists."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import maximum_bipartite_matching, min_weight_full_bipartite_matching
+
+    n = p.n
+    rank = np.cumsum(alive) - 1
+    rows, cols, w = [], [], []
+    for t in range(n):
+        for g in p.hosts[t]:
+            if alive[g]:
+                cost = 0 if list(orders[g]).index(t) < s else 1
+                for c in range(s):
+                    rows.append(t)
+                    cols.append(rank[g] * s + c)
+                    w.append(1.0 + cost)
+    m = csr_matrix((w, (rows, cols)), shape=(n, int(alive.sum()) * s))
+    if (maximum_bipartite_matching(m, perm_type="column") < 0).any():
+        return None
+    r_idx, c_idx = min_weight_full_bipartite_matching(m)
+    return int(round(m[r_idx, c_idx].sum() - n))
+
+
+@pytest.mark.parametrize("seed,alive_target", [(0, 560), (1, 502), (2, 420)])
+def test_mcmf_against_scipy_on_large_random_cases(seed, alive_target):
+    # N = 1000, r = 12: a random failure history down to a target survivor count (502: across the s = 2 -> 3
+    # transition), then each failure's s' and minimum movement checked against the library
+    p = make_placement(1000, 12)
+    rng = np.random.default_rng(seed)
+    ctl = ReCtlr(p)
+    order = rng.permutation(1000).tolist()
+    while ctl.n_alive > alive_target:
+        if ctl.on_failure([order.pop()], with_orders=False).wipeout:
+            order = rng.permutation(1000).tolist()
+    checked = raised = 0
+    for g in order[-6:]:
+        orders, s_old, alive = ctl.orders, ctl.stack, ctl.alive.copy()
+        alive[g] = False
+        res = ctl.on_failure([int(g)])
+        if res.wipeout:
+            break
+        assert validate_state(p, res.orders, res.stack, alive)
+        assert _scipy_min_cost(p, orders, alive, res.stack) == res.moved  # minimum movement at s'
+        if res.stack > s_old:
+            assert _scipy_min_cost(p, orders, alive, res.stack - 1) is None  # s' is the smallest feasible
+            raised += 1
+        checked += 1
+    assert checked >= 3
+    if alive_target == 502:
+        assert raised >= 1

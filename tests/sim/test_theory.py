@@ -71,3 +71,43 @@ def test_checkpoint_period_is_optimal_and_tends_to_young():
     assert plan.availability >= plan.availability_at_young
     with pytest.raises(TrainguardError):
         optimal_period(0, 10, 10)
+
+
+def _replication_by_enumeration(n, r):
+    import itertools
+
+    sizes = theory.replica_set_sizes(n, r)
+    sets = [i for i, m in enumerate(sizes) for _ in range(m)]
+    tot = cnt = 0
+    for perm in itertools.permutations(range(n)):
+        dead = [0] * len(sizes)
+        for k, g in enumerate(perm):
+            dead[sets[g]] += 1
+            if dead[sets[g]] == sizes[sets[g]]:
+                tot += k + 1
+                cnt += 1
+                break
+    return tot / cnt
+
+
+@pytest.mark.parametrize("n,r", [(5, 2), (6, 4), (7, 3), (7, 5), (8, 3)])
+def test_replication_mean_closed_form_by_enumeration(n, r):
+    # uneven set sizes included (extra groups dealt round-robin; sizes sum to N)
+    assert sum(theory.replica_set_sizes(n, r)) == n
+    assert theory.mean_failures_replication(n, r) == pytest.approx(_replication_by_enumeration(n, r), rel=1e-9)
+
+
+@pytest.mark.parametrize("n,r", [(31, 8), (200, 3), (203, 4), (600, 5), (1000, 8)])
+def test_replication_mean_matches_exact_survival(n, r):
+    assert theory.mean_failures_replication(n, r) == pytest.approx(float(theory.survival_replication(n, r).sum()),
+                                                                   rel=1e-8)
+
+
+def test_theory_scales_to_hundreds_of_thousands_of_gpus():
+    # 200,000 GPUs in groups of 8: the polynomial form underflows there, the integral does not
+    n = 25_000
+    rep = [theory.mean_failures_replication(n, r) for r in range(2, 9)]
+    assert all(math.isfinite(x) and x > 0 for x in rep) and rep == sorted(rep)
+    assert theory.mean_failures_replication(n, 2) == pytest.approx(theory.replica_pairs_mnfti(n // 2), rel=1e-9)
+    row = theory.scheme_theory("spare", n, 28, 60.0, 60.0, 1800.0)
+    assert row["system_mtbf_s"] > 0 and 0 < row["availability"] < 1

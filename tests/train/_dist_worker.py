@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --nproc_per_node=N _dist_worker.py OUT MODE [--section.key value ...]
 
-MODE is ``clean``, ``stop:K`` (train K steps, then stop: the checkpoint at K is written),
+MODE is ``clean``, ``stock`` (pipeline: torch's Schedule1F1B instead of ours), ``windows`` (count the
+waits our schedule exposes), ``stop:K`` (train K steps, then stop: the checkpoint at K is written),
 ``retry:R:K:before`` (rank R asks for a retry of step K after a NaN was injected into one of its backward
 products: the guard acts before the update) or ``retry:R:K:after`` (a NaN in rank R's gradient after the
 gradient sync, seen by a guard after the update), or ``abft:L`` (ABFT on, one NaN in layer L's scores at
@@ -23,6 +24,14 @@ out, mode, *overrides = sys.argv[1:]
 torch.set_num_threads(1)
 cfg = load_config(None, overrides)
 trainer = Trainer(cfg)
+waits: list[str] = []
+if mode == "stock":  # torch's own Schedule1F1B on the same stage (the reference for our windowed schedule)
+    from torch.distributed.pipelining import Schedule1F1B
+
+    s = trainer.strategy.schedule
+    trainer.strategy.schedule = Schedule1F1B(s._stage, s._n_microbatches, loss_fn=s._loss_fn, scale_grads=False)
+elif mode == "windows":
+    trainer.strategy.add_window_hook(lambda kind, wait: waits.append(kind) or wait())
 handles = attach_from_config(trainer)
 steps: list[dict] = []
 
@@ -64,6 +73,11 @@ elif mode.startswith("retry:"):
     if trainer.rank == rank:
         site = OpSite("aten.mm*", "backward", 0) if when == "before" else TensorSite("grad", "*")
         Injector(Fault(site, FaultModel("nan"), step=step, index=0)).attach(trainer)
+elif mode.startswith("dmr:"):  # dmr:R:K:PHASE: a bit flip in rank R's PHASE ops at step K, DMR on
+    _, rank, step, phase = mode.split(":")
+    if trainer.rank == int(rank):
+        site = OpSite("*", phase, 5, compute_only=True)
+        injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
 elif mode.startswith("abft:"):
     layer = int(mode.split(":")[1])
     # (row 1, column 1) of the first head's scores: kept by the causal mask
@@ -72,6 +86,11 @@ elif mode.startswith("abft:"):
 summary = trainer.run(n_steps)
 trainer.close()
 abft = handles["abft"].total() if "abft" in handles else {}
-fired = bool(mode.startswith("abft:") and injector.records)
+fired = bool(mode.startswith(("abft:", "dmr:")) and "injector" in globals() and injector.records)
+dmr = handles.get("dmr")
+sched = getattr(trainer.strategy, "schedule", None)
 torch.save({"state": trainer.state_dict_for_compare(), "steps": steps, "summary": summary.to_dict(), "abft": abft,
-            "fired": fired, "rank": trainer.rank}, f"{out}/rank{trainer.rank}.pt")
+            "fired": fired, "rank": trainer.rank, "waits": waits,
+            "dmr": dict(dmr.totals) if dmr else {}, "dmr_coverage": dmr.coverage_report()["coverage"] if dmr else None,
+            "dmr_counts": dict(dmr.counts) if dmr else {}, "wait_s": getattr(sched, "wait_s", 0.0)},
+           f"{out}/rank{trainer.rank}.pt")

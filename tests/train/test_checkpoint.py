@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,7 +61,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, batches, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt_mod, "write_manifest", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match="cannot write checkpoint step 4 .*disk full"):
         t.save_checkpoint()
     monkeypatch.undo()
     mgr = CheckpointManager(ck)
@@ -140,3 +141,167 @@ def test_keep_latest_and_periodic_saves(tmp_path, batches):
     assert summary.checkpoint.endswith("step_00000007")
     for _, p in CheckpointManager(ck).checkpoints():
         assert verify(p)["step"] in (6, 7)
+
+
+# ---- a checkpoint folder belongs to one run ------------------------------------------------------------
+def test_new_run_in_a_folder_of_another_run_is_refused(tmp_path, batches):
+    """Before: the new run saved step 3, pruning kept the other run's steps 5 and 6 and deleted it."""
+    ck = tmp_path / "ck"
+    Trainer(tiny_cfg("--checkpoint.dir", str(ck), "--checkpoint.every", "1", "--checkpoint.keep", "2"),
+            batches=batches).run(6)
+    with pytest.raises(CheckpointError) as err:
+        Trainer(tiny_cfg("--train.steps", "3", "--checkpoint.dir", str(ck)), batches=batches)
+    msg = str(err.value)
+    assert "holds checkpoints of another run" in msg and "--checkpoint.resume true" in msg and "\n" not in msg
+    assert "--checkpoint.start_over true" in msg
+    assert [s for s, _ in CheckpointManager(ck).checkpoints()] == [5, 6]  # untouched
+
+
+def test_start_over_replaces_the_other_run_and_the_summary_points_to_a_real_checkpoint(tmp_path, batches, capfd):
+    ck = tmp_path / "ck"
+    Trainer(tiny_cfg("--checkpoint.dir", str(ck), "--checkpoint.every", "1"), batches=batches).run(6)
+    t = Trainer(tiny_cfg("--train.steps", "3", "--checkpoint.dir", str(ck), "--checkpoint.start_over", "true"),
+                batches=batches)
+    assert "deleted 2 checkpoint(s)" in capfd.readouterr().err
+    summary = t.run()
+    assert Path(summary.checkpoint).is_dir() and verify(summary.checkpoint)["run_id"] == t.run_id
+    assert [s for s, _ in CheckpointManager(ck).checkpoints()] == [3]
+
+
+def test_pruning_keeps_the_checkpoint_just_written_and_other_runs(tmp_path, batches):
+    ck = tmp_path / "ck"
+    t = Trainer(tiny_cfg(), batches=batches)
+    a = CheckpointManager(ck, keep=1, run_id="run-a")
+    b = CheckpointManager(ck, keep=1, run_id="run-b")
+    a.save(10, t.model, t.optimizer)
+    a.save(20, t.model, t.optimizer)
+    b.save(5, t.model, t.optimizer)  # lower step than run a's: must survive its own pruning
+    assert [(s, a.run_of(p)) for s, p in a.checkpoints()] == [(5, "run-b"), (20, "run-a")]
+    b.save(7, t.model, t.optimizer)
+    assert [(s, a.run_of(p)) for s, p in a.checkpoints()] == [(7, "run-b"), (20, "run-a")]
+
+
+def test_a_checkpoint_is_never_overwritten_silently(tmp_path, batches, capfd):
+    ck = tmp_path / "ck"
+    t = Trainer(tiny_cfg(), batches=batches)
+    CheckpointManager(ck, run_id="run-a").save(4, t.model, t.optimizer)
+    with pytest.raises(CheckpointError, match="refusing to overwrite .*step_00000004: it belongs to run run-a"):
+        CheckpointManager(ck, run_id="run-b").save(4, t.model, t.optimizer)
+    CheckpointManager(ck, run_id="run-a").save(4, t.model, t.optimizer)
+    assert "replacing checkpoint" in capfd.readouterr().err
+
+
+# ---- trainer.pt is read with weights_only=True --------------------------------------------------------
+class _Exploit:
+    marker = ""
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_whose_trainer_state_runs_code_is_refused(tmp_path, batches):
+    ck = tmp_path / "ck"
+    t = Trainer(tiny_cfg("--checkpoint.dir", str(ck)), batches=batches)
+    t.run(1)
+    path = CheckpointManager(ck).latest()
+    marker = tmp_path / "pwned"
+    _Exploit.marker = str(marker)
+    torch.save({"step": 1, "payload": _Exploit()}, path / "trainer.pt")
+    ckpt_mod.write_manifest(path, 1, None, {"run_id": t.run_id})  # a consistent manifest: only the pickle is evil
+    verify(path)
+    with pytest.raises(CheckpointError, match="refusing trainer.pt"):
+        Trainer(tiny_cfg("--checkpoint.dir", str(ck), "--checkpoint.resume", "true"), batches=batches)
+    assert not marker.exists()
+
+
+def test_trainer_state_is_plain_tensors_and_values(tmp_path, batches):
+    ck = tmp_path / "ck"
+    Trainer(tiny_cfg("--checkpoint.dir", str(ck)), batches=batches).run(1)
+    state = torch.load(CheckpointManager(ck).latest() / "trainer.pt", weights_only=True)
+    assert state["step"] == 1 and torch.is_tensor(state["rng"]["numpy"][1])
+
+
+def test_component_state_that_a_weights_only_load_refuses_is_refused_at_save(tmp_path, batches):
+    import numpy as np
+
+    class Holder:
+        def state_dict(self):
+            return {"table": np.arange(3)}
+
+        def load_state_dict(self, sd):
+            pass
+
+    t = Trainer(tiny_cfg("--checkpoint.dir", str(tmp_path / "ck")), batches=batches)
+    t.register_state("numpy-holder", Holder())
+    with pytest.raises(CheckpointError, match="trainer state cannot be saved"):
+        t.save_checkpoint()
+    assert not CheckpointManager(tmp_path / "ck").checkpoints()
+
+
+# ---- failures while saving ----------------------------------------------------------------------------
+@pytest.fixture(params=["tmpfs", "simulated"])
+def full_disk(request, tmp_path, monkeypatch):
+    from _disk import FullDisk
+
+    disk = FullDisk(tmp_path / "disk", monkeypatch, real=request.param == "tmpfs")
+    if request.param == "tmpfs" and not disk.real:
+        pytest.skip("cannot mount a small tmpfs here (needs root); the simulated case still runs")
+    try:
+        yield disk
+    finally:
+        disk.close()
+
+
+def test_full_disk_is_named_and_keeps_the_previous_checkpoint(tmp_path, batches, full_disk):
+    ck = full_disk.path / "ck"
+    t = Trainer(tiny_cfg("--checkpoint.dir", str(ck)), batches=batches)
+    t.save_checkpoint()  # step 0 (no optimizer state yet: small)
+    t.train_step()
+    full_disk.fill()
+    with pytest.raises(CheckpointError) as err:
+        t.save_checkpoint()
+    msg = str(err.value)
+    assert "no space left on device" in msg and "step_00000000 is intact" in msg and "\n" not in msg
+    assert [s for s, _ in CheckpointManager(ck).checkpoints()] == [0]
+    verify(CheckpointManager(ck).latest())
+
+
+def test_ctrl_c_during_a_dcp_write_stays_a_keyboard_interrupt(tmp_path, batches, monkeypatch):
+    """DCP wraps it into its CheckpointException (a BaseException): it must come out as Ctrl-C again."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    ck = tmp_path / "ck"
+    t = Trainer(tiny_cfg("--checkpoint.dir", str(ck)), batches=batches)
+    t.run(1)
+
+    def interrupted(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", interrupted)
+    t.train_step()
+    with pytest.raises(KeyboardInterrupt):
+        t.save_checkpoint()
+    assert [s for s, _ in CheckpointManager(ck).checkpoints()] == [1] and not list(ck.glob(".tmp-*"))
+
+
+def test_killed_while_pruning_leaves_no_half_deleted_checkpoint(tmp_path, batches, monkeypatch):
+    ck = tmp_path / "ck"
+    t = Trainer(tiny_cfg("--checkpoint.dir", str(ck), "--checkpoint.every", "1", "--checkpoint.keep", "1"),
+                batches=batches)
+    t.run(1)
+    real_rmtree = ckpt_mod.shutil.rmtree
+
+    def dies_halfway(path, *a, **k):
+        victim = Path(path)
+        if "step_00000001" not in victim.name:
+            return real_rmtree(path, *a, **k)
+        next(victim.glob("*.distcp")).unlink()  # part of it is gone when the process dies
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(ckpt_mod.shutil, "rmtree", dies_halfway)
+    with pytest.raises(SystemExit):
+        t.run(1)
+    monkeypatch.setattr(ckpt_mod.shutil, "rmtree", real_rmtree)
+    for _, p in CheckpointManager(ck).checkpoints():  # every visible checkpoint is whole
+        verify(p)
+    assert [s for s, _ in CheckpointManager(ck).checkpoints()] == [2]

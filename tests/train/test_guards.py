@@ -132,7 +132,7 @@ def test_same_site_on_consecutive_attempts_is_suspected_hardware(batches, tmp_pa
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert "rank 0" in summary["suspected_hardware"] and summary["end_step"] == 1
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines if "loss" in r] == [0]  # only committed steps are logged
+    assert [r["step"] for r in lines if "loss" in r] == [1]  # only committed steps are logged (step n: the n-th step)
 
 
 def test_changing_sites_retry_until_the_limit_then_abort(batches):
@@ -172,8 +172,8 @@ def test_retries_are_events_and_each_committed_step_is_logged_once(batches, tmp_
     s = t.run()
     assert s.retries == 1
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines if "loss" in r] == [0, 1, 2, 3]
-    assert [(r["step"], r["guard"]) for r in lines if r.get("event") == "retry"] == [(2, "grad-finite")]
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4]
+    assert [(r["step"], r["guard"]) for r in lines if r.get("event") == "retry"] == [(3, "grad-finite")]
 
 
 def test_state_dict_round_trip_continues_bitwise(batches):

@@ -141,3 +141,16 @@ def test_ddp_retry_on_one_rank_is_bitwise_equal_to_clean(tmp_path):
     got = run_dist(tmp_path, "retry", 2, "retry:1:1:before", *dp)
     assert [s["attempts"] for s in got[0]["steps"]] == [1, 2, 1, 1]
     assert_bitwise(got, clean)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_dmr_on_two_stages_detects_a_bit_flip_and_ends_bitwise_equal(tmp_path, clean_pp2, phase):
+    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true"]
+    got = run_dist(tmp_path, "dmr", 2, f"dmr:1:2:{phase}", *PP, *dmr)
+    assert got[1]["fired"] and got[1]["dmr"]["detected"] >= 1
+    # step 0: profiled (unverified), planned, re-executed with the plan; step 2: the whole pipeline re-ran it
+    assert [s["attempts"] for s in got[0]["steps"]] == [2, 1, 2, 1]
+    assert all(r["dmr_coverage"] == 1.0 for r in got)
+    assert any(k.startswith("checked-in-pp") for k in got[0]["dmr_counts"])  # deferred checks ran in pp windows
+    assert_bitwise(got, clean_pp2)

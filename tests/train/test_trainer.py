@@ -24,7 +24,7 @@ def test_loss_decreases_and_outputs(tmp_path, batches):
     assert s.val_loss is not None and s.val_ppl > 1 and s.first_nonfinite_step is None
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "loss" in r]
-    assert [r["step"] for r in steps] == list(range(40))
+    assert [r["step"] for r in steps] == list(range(1, 41))  # the record of the n-th step says n
     assert all(k in steps[0] for k in ("loss", "tokens_per_s", "step_time_s", "peak_mem_mb", "lr", "grad_norm"))
     assert sum(1 for r in lines if r.get("event") == "eval") == 2
     assert json.loads((tmp_path / "summary.json").read_text())["steps_run"] == 40
@@ -163,7 +163,7 @@ def test_stop_on_nan(batches):
 
     t.callbacks.append(Inject())
     s = t.run(6)
-    assert s.stopped_early and s.end_step == 3 and s.first_nonfinite_step == 2
+    assert s.stopped_early and s.end_step == 3 and s.first_nonfinite_step == 3  # the 3rd step (index 2)
 
 
 def test_moe_trainer_adds_aux_loss(batches):

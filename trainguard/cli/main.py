@@ -2,13 +2,17 @@
 at start-up, so adding a command never touches this file.
 
 Every command handler returns an int exit code. A ``TrainguardError`` (bad config, CLI value, corpus,
-checkpoint) is printed as one line on stderr with exit code 2, never a traceback.
+checkpoint) is printed as one line on stderr with its exit code (2 for bad input; 3 suspected hardware
+fault, 4 step aborted), never a traceback; Ctrl-C exits 130. In a worker of a multi-process run started
+by ``trainguard train`` (``trainguard.train.launch``) errors are handed to the launching process, which
+prints the first one once.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -50,11 +54,35 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.handler(args) or 0)
     except TrainguardError as err:
-        sys.stderr.write(f"trainguard: error: {err}\n")
+        text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        if not _worker_report("error", text, err.exit_code):
+            sys.stderr.write(f"trainguard: error: {text}\n")
         return err.exit_code
-    except KeyboardInterrupt:
-        sys.stderr.write("trainguard: interrupted\n")
+    except OSError as err:  # the machine, not a bug: a full disk, a folder that vanished, a permission
+        where = f": {err.filename}" if err.filename else ""
+        text = f"{err.strerror or err}{where}"
+        if not _worker_report("error", text, 2):
+            sys.stderr.write(f"trainguard: error: {text}\n")
+        return 2
+    except KeyboardInterrupt as err:
+        if not _worker_report("interrupt", "", 130, getattr(err, "step", None)):
+            sys.stderr.write("trainguard: interrupted\n")
         return 130
+    except Exception:
+        import traceback
+
+        if _worker_report("traceback", traceback.format_exc(), 1):
+            return 1
+        raise
+
+
+def _worker_report(kind: str, text: str, exit_code: int, step: int | None = None) -> bool:
+    """Under ``trainguard train``'s own launcher: hand the error to the launching process (printed once)."""
+    if "TRAINGUARD_ERROR_DIR" not in os.environ:
+        return False
+    from trainguard.train.launch import report_from_child
+
+    return report_from_child(kind, text, exit_code, step)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 Python's standard-library source files: always present, tens of MB, no download).
 
 Documents are split into train / validation by a hash of their path, so the split does not depend on
-which other files exist. Relies on the standard library only (pathlib, glob, sysconfig, zlib).
+which other files exist. A corpus of too few documents for that (fewer than ``1 / val_fraction``, or a hash
+split that leaves either side empty: one text file, say) is split by bytes instead: the last
+``val_fraction`` of every document is held out for validation. Relies on the standard library only
+(pathlib, glob, sysconfig, zlib).
 """
 
 from __future__ import annotations
@@ -54,10 +57,10 @@ class TokenStreams:
 
 
 def load_corpus(source: str = STDLIB, val_fraction: float = 0.02, max_bytes: int | None = None) -> TokenStreams:
-    """Read every file once, byte-tokenize, and split documents into train/val by path hash."""
+    """Read every file once, byte-tokenize, and split into train/val: documents by path hash, or the bytes
+    within each document when there are too few documents (see the module docstring)."""
     files = resolve_files(source)
-    train_parts: list[bytes] = []
-    val_parts: list[bytes] = []
+    docs: list[tuple[Path, bytes]] = []
     total = 0
     for path in files:
         try:
@@ -66,14 +69,34 @@ def load_corpus(source: str = STDLIB, val_fraction: float = 0.02, max_bytes: int
             raise DataError(f"cannot read corpus file {path}: {err.strerror}") from None
         if not data:
             continue
-        bucket = zlib.crc32(path.name.encode() + str(len(data)).encode()) % 10_000
-        (val_parts if bucket < val_fraction * 10_000 else train_parts).append(data)
+        docs.append((path, data))
         total += len(data)
         if max_bytes is not None and total >= max_bytes:
             break
-    if not val_parts and train_parts and val_fraction > 0:
-        val_parts.append(train_parts.pop())  # tiny corpora: keep at least one validation document
+    if not docs:
+        raise DataError(f"corpus {source!r} holds only empty files")
+    train_parts, val_parts = split_documents(docs, val_fraction)
     return TokenStreams(train=_join(train_parts), val=_join(val_parts), n_files=len(files))
+
+
+def split_documents(docs: list[tuple[Path, bytes]], val_fraction: float) -> tuple[list[bytes], list[bytes]]:
+    """(train, val) parts: whole documents by path hash, or each document's tail when there are too few."""
+    if val_fraction <= 0:
+        return [d for _, d in docs], []
+    train_parts: list[bytes] = []
+    val_parts: list[bytes] = []
+    for path, data in docs:
+        bucket = zlib.crc32(path.name.encode() + str(len(data)).encode()) % 10_000
+        (val_parts if bucket < val_fraction * 10_000 else train_parts).append(data)
+    if len(docs) >= 1 / val_fraction and train_parts and val_parts:
+        return train_parts, val_parts
+    train_parts, val_parts = [], []
+    for _, data in docs:
+        cut = len(data) - max(1, round(len(data) * val_fraction))
+        if cut > 0:
+            train_parts.append(data[:cut])
+        val_parts.append(data[cut:])
+    return train_parts, val_parts
 
 
 def _join(parts: list[bytes]) -> torch.Tensor:

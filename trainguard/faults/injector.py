@@ -57,6 +57,7 @@ class OpSite:
     pattern: str = "aten.mm*"
     phase: str = "forward"
     occurrence: int = 0
+    compute_only: bool = False  # count only ops that compute (not views, allocations or communication)
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -127,13 +128,23 @@ class InjectionRecord:
 
 
 _CHECKER = threading.local()
+_NOT_COMPUTE = ("aten.detach", "aten._unsafe_view", "aten.alias", "aten.lift_fresh", "aten.empty", "aten.new_empty")
+
+
+def is_compute_op(func) -> bool:
+    """Ops that compute values (not views, allocations, communication or profiler markers)."""
+    name = str(func)
+    if getattr(func, "is_view", False) or name.startswith(_NOT_COMPUTE):
+        return False
+    return not name.startswith(("c10d", "_c10d_functional", "profiler", "_dtensor"))
 
 
 @contextlib.contextmanager
-def checker_execution() -> Iterator[None]:
-    """Ops run inside are a verifier's second execution: the injector neither counts nor corrupts them."""
+def checker_execution(active: bool = True) -> Iterator[None]:
+    """Ops run inside are a verifier's own work (second executions, copies, fingerprints): the injector
+    neither counts nor corrupts them. ``checker_execution(False)`` marks the primary execution inside."""
     before = getattr(_CHECKER, "active", False)
-    _CHECKER.active = True
+    _CHECKER.active = active
     try:
         yield
     finally:
@@ -143,14 +154,19 @@ def checker_execution() -> Iterator[None]:
 def _written_tensor(func, args, kwargs, generator: torch.Generator) -> torch.Tensor | None:
     """One floating-point tensor an in-place op writes (drawn with ``generator`` when it writes several)."""
     written: list[torch.Tensor] = []
+    fused_adam = str(func).startswith(("aten._fused_adam", "aten._fused_sgd"))
     for i, a in enumerate(func._schema.arguments):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
+        if fused_adam and a.name == "grads" and kwargs.get("grad_scale") is None:
+            continue  # the fused optimizers write the gradients only to unscale them (grad_scale)
         value = kwargs.get(a.name, args[i] if i < len(args) else None)
         items = value if isinstance(value, (list, tuple)) else [value]
         written += [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
     if not written:
         return None
+    if generator is None:  # (only asking whether there is one)
+        return written[0]
     return written[int(torch.randint(len(written), (1,), generator=generator))]
 
 
@@ -181,6 +197,8 @@ class Injector:
         self._optimizer: torch.optim.Optimizer | None = None
         self._handles: list[Callable[[], Any]] = []  # removers
         self._injecting = False  # our own writes are not ops of the step
+        self.count_ops = False  # count compute ops per (step, phase) in op_counts (campaigns size their sites)
+        self.op_counts: dict[tuple[int, str], int] = {}
         self._fired_attempt: set[int] = set()
         self._stuck: dict[int, int] = {}
 
@@ -292,15 +310,22 @@ class Injector:
     def _on_op(self, func, out, args=(), kwargs=None) -> None:
         if self.step is None or self._injecting or getattr(_CHECKER, "active", False):
             return
-        if not isinstance(out, torch.Tensor):
-            out = _written_tensor(func, args, kwargs or {}, self.generator) if out is None or isinstance(out, (list, tuple)) \
-                else None
-        if out is None or not out.is_floating_point():
+        if isinstance(out, torch.Tensor):
+            if not out.is_floating_point():
+                return
+        elif out is None or isinstance(out, (list, tuple)):
+            if _written_tensor(func, args, kwargs or {}, None) is None:  # nothing floating-point it writes
+                return
+        else:
             return
         name = str(func)  # e.g. "aten.mm.default"
+        compute = is_compute_op(func)
         phase = None
+        if self.count_ops and compute:
+            phase = self.current_phase()
+            self.op_counts[(self.step, phase)] = self.op_counts.get((self.step, phase), 0) + 1
         for i, f in enumerate(self.faults):
-            if not isinstance(f.site, OpSite) or not self._due(i, f):
+            if not isinstance(f.site, OpSite) or not self._due(i, f) or (f.site.compute_only and not compute):
                 continue
             if not fnmatch.fnmatchcase(name, f.site.pattern):
                 continue
@@ -310,8 +335,11 @@ class Injector:
             key = (i, phase if f.site.phase != "any" else "any")
             occ = self._counts.get(key, 0)
             self._counts[key] = occ + 1
-            if occ == f.site.occurrence and out.numel():
-                self._corrupt(i, f, out, "op", name, phase, occ)
+            if occ != f.site.occurrence:
+                continue
+            target = out if isinstance(out, torch.Tensor) else _written_tensor(func, args, kwargs or {}, self.generator)
+            if target is not None and target.is_floating_point() and target.numel():
+                self._corrupt(i, f, target, "op", name, phase, occ)
 
     def _on_product(self, layer: int, name: str, tensor: torch.Tensor) -> None:
         if self.step is None or not tensor.is_floating_point() or not tensor.numel():

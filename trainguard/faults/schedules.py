@@ -4,19 +4,19 @@ Presets follow MeCeFO's evaluation: ``low`` / ``mid`` / ``high`` = one failure p
 modelled time. The Weibull scale is chosen so that the mean inter-arrival time equals the MTBF
 (scale = MTBF / Gamma(1 + 1/shape)); shape < 1 gives the bursty failures seen in large clusters.
 Schedules feed a simulated cluster (``trainguard.sim``) and real runs that kill worker processes
-(``kill_due``). Relies on numpy (seeded ``Generator``) and the standard library.
+(``kill_due``, through :mod:`trainguard.faults.failstop`). Relies on numpy (seeded ``Generator``) and the
+standard library.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import signal
 from dataclasses import dataclass
 
 import numpy as np
 
 from trainguard.errors import TrainguardError
+from trainguard.faults.failstop import kill_pid
 
 PRESETS_MTBF_HOURS = {"low": 2.0, "mid": 1.0, "high": 0.5}
 
@@ -82,11 +82,6 @@ def kill_due(step: int, schedule_steps: dict[int, list[int]], pids_by_node: dict
     killed = []
     for node in schedule_steps.get(step, []):
         pid = pids_by_node.get(node)
-        if pid is None:
-            continue
-        try:
-            os.kill(pid, signal.SIGKILL)
+        if pid is not None and kill_pid(pid):
             killed.append(node)
-        except ProcessLookupError:
-            pass
     return killed

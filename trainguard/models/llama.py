@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainguard.errors import ConfigError, ShapeError
 from trainguard.models.config import ModelConfig
 from trainguard.models.moe import MoEFeedForward
 from trainguard.models.products import ProductHooks, product_hooks
@@ -198,8 +199,6 @@ class LlamaModel(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         s = h.shape[1]
         if s > self.cfg.max_seq_len:
-            from trainguard.errors import ShapeError
-
             raise ShapeError(f"sequence length {s} exceeds model.max_seq_len {self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         for layer in self.layers.values():
@@ -220,8 +219,6 @@ class LlamaModel(nn.Module):
 
     def set_attention(self, impl: str) -> None:
         if impl not in ("explicit", "sdpa"):
-            from trainguard.errors import ConfigError
-
             raise ConfigError(f"attention must be 'explicit' or 'sdpa', got {impl!r}")
         for m in self.attention_modules():
             m.impl = impl

@@ -1,7 +1,10 @@
 """Top-k routed mixture of SwiGLU experts with a Switch-style load-balancing loss.
 
 Routing is data dependent (which tokens reach which expert changes every step): the DMR dynamic
-planner and MoE fault campaigns rely on that. Relies on plain ``torch`` (index_add for dispatch).
+planner and MoE fault campaigns rely on that. Expert parallelism plugs in through ``dispatcher``: when set
+(``trainguard.train.parallel.expert``), it computes the experts' contribution for the routed tokens (sending
+them to the ranks that hold their experts) instead of the local loop, and ``aux_reducer`` turns the local
+load-balancing statistics into the global batch's. Relies on plain ``torch`` (index_add for dispatch).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class MoEFeedForward(nn.Module):
         self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(n_experts))
         self.last_aux_loss: torch.Tensor | None = None
         self.last_tokens_per_expert: torch.Tensor | None = None
+        self.dispatcher = None  # expert parallelism: fn(module, flat, weights, chosen) -> combined expert output
+        self.aux_reducer = None  # expert parallelism: fn(counts, prob_sum, n_tokens) -> aux loss of the global batch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -38,16 +43,22 @@ class MoEFeedForward(nn.Module):
         probs = torch.softmax(self.router(flat).float(), dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-        out = torch.zeros_like(flat)
         counts = torch.bincount(chosen.flatten(), minlength=self.n_experts)
         self.last_tokens_per_expert = counts.detach()
-        for e, expert in enumerate(self.experts):
-            token_idx, slot = torch.nonzero(chosen == e, as_tuple=True)
-            if token_idx.numel() == 0:
-                continue
-            y = expert(flat.index_select(0, token_idx)) * weights[token_idx, slot].unsqueeze(-1)
-            out = out.index_add(0, token_idx, y)
+        if self.dispatcher is not None:
+            out = self.dispatcher(self, flat, weights, chosen)
+        else:
+            out = torch.zeros_like(flat)
+            for e, expert in enumerate(self.experts):
+                token_idx, slot = torch.nonzero(chosen == e, as_tuple=True)
+                if token_idx.numel() == 0:
+                    continue
+                y = expert(flat.index_select(0, token_idx)) * weights[token_idx, slot].unsqueeze(-1)
+                out = out.index_add(0, token_idx, y)
         # Switch Transformer load balance: E * sum_e (fraction routed to e) * (mean router prob of e).
-        frac = counts.float() / max(1, chosen.numel())
-        self.last_aux_loss = self.n_experts * (frac * probs.mean(0)).sum()
+        if self.aux_reducer is not None:
+            self.last_aux_loss = self.aux_reducer(counts, probs.sum(0), chosen.shape[0])
+        else:
+            frac = counts.float() / max(1, chosen.numel())
+            self.last_aux_loss = self.n_experts * (frac * probs.mean(0)).sum()
         return out.view(shape)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from trainguard.failover.spare.controller import ReCtlr
-from trainguard.failover.spare.placement import check_supported, make_placement, max_supported_redundancy
+from trainguard.failover.spare.placement import check_supported, make_placement, supported_redundancies
 from trainguard.sim import theory
 
 
@@ -143,6 +143,6 @@ def run_montecarlo(n: int, r: int, trials: int = 200, seed: int = 0, workers: in
 
 def sweep(n: int, trials: int = 200, seed: int = 0, r_values: list[int] | None = None,
           workers: int | None = None, show_progress: bool | None = None) -> list[MonteCarloResult]:
-    """Monte-Carlo for every supported ``r`` (2..max) at ``N``."""
-    r_values = r_values or list(range(2, max_supported_redundancy(n) + 1))
+    """Monte-Carlo for every supported ``r`` (2..28, those whose ruler the group count allows) at ``N``."""
+    r_values = r_values or supported_redundancies(n)
     return [run_montecarlo(n, r, trials, seed, workers, show_progress) for r in r_values]

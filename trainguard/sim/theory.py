@@ -37,8 +37,14 @@ optimum is the smallest ``r`` with ``E[K] >= N/2``: with ``ln Gamma(1+x) ~ -gamm
 **Replication** of degree ``r``: ``b = N // r`` replica sets (the ``N mod r`` extra groups join sets, so a
 set has ``r`` or ``r+1`` groups); each group computes ``N / b`` shards (``= r`` when ``r | N``). The set
 is lost when all its groups have failed; ``P(K > k)`` is exact by counting ``k``-subsets that contain no
-whole set (coefficients of ``prod_i ((1+x)^{n_i} - x^{n_i})``). For ``r = 2`` this gives
-``4^b / C(2b, b) ~ sqrt(pi b)`` (Casanova et al. 2012).
+whole set (coefficients of ``prod_i ((1+x)^{n_i} - x^{n_i})``; it underflows for large ``N``, so the
+mean uses the integral below). A uniformly random failure order is the order of i.i.d. exponential
+lifetimes; with ``q = 1 - e^{-t}`` the expected number of failures while every set is alive is
+
+    E[K] = int_0^1 sum_i n_i prod_{j != i} (1 - q^{n_j}) dq,
+
+which for ``b`` sets of size ``m`` is ``b B(1/m, b)`` and for pairs ``4^b / C(2b, b) ~ sqrt(pi b)``
+(Casanova et al. 2012). It is exact and costs O(1) at any ``N``.
 """
 
 from __future__ import annotations
@@ -126,11 +132,12 @@ def mean_overhead(n: int, r: int) -> float:
 
 # ----------------------------------------------------------------------------- replication
 def replica_set_sizes(n: int, r: int) -> list[int]:
-    """``b = N // r`` sets of ``r`` groups; the ``N mod r`` extra groups join the first sets."""
+    """``b = N // r`` sets of ``r`` groups; the ``N mod r`` extra groups are dealt round-robin to the sets
+    (sizes differ by at most one and sum to ``N``)."""
     _check(n, r)
     b = n // r
     extra = n - b * r
-    return [r + 1 if i < extra else r for i in range(b)]
+    return [r + extra // b + (1 if i < extra % b else 0) for i in range(b)]
 
 
 def replication_stacks(n: int, r: int) -> float:
@@ -155,10 +162,33 @@ def survival_replication(n: int, r: int) -> np.ndarray:
 
 
 def mean_failures_replication(n: int, r: int) -> float:
-    """Mean failure count to interruption (exact); ``4^b / C(2b, b)`` for ``r = 2``, even ``N``."""
+    """Mean failure count to interruption (exact, any ``N``): ``b B(1/m, b)`` for equal sets of size ``m``,
+    else the one-dimensional integral of the module docstring (scipy ``quad``)."""
+    _check(n, r)
     if r == 1:
         return 1.0
-    return float(survival_replication(n, r).sum())
+    sizes = replica_set_sizes(n, r)
+    b = len(sizes)
+    m1 = min(sizes)
+    m2 = m1 + 1
+    e = sum(1 for x in sizes if x == m2)
+    b1 = b - e
+    if e == 0:
+        return math.exp(math.log(b) + math.lgamma(1.0 / m1) + math.lgamma(b) - math.lgamma(b + 1.0 / m1))
+    from scipy.integrate import quad
+
+    def f(q: float) -> float:
+        l1, l2 = math.log1p(-q**m1) if q < 1 else -math.inf, math.log1p(-q**m2) if q < 1 else -math.inf
+        out = 0.0
+        if b1:
+            out += b1 * m1 * math.exp((b1 - 1) * l1 + e * l2) if (b1 - 1 or e) else b1 * m1
+        out += e * m2 * math.exp(b1 * l1 + (e - 1) * l2) if (b1 or e - 1) else e * m2
+        return out
+
+    q0 = (1.0 / b) ** (1.0 / m1)  # the integrand falls off around q^m ~ 1/b
+    val, _ = quad(f, 0.0, 1.0, points=[q0 * x for x in (0.5, 1.0, 1.5, 2.0) if q0 * x < 1], limit=400,
+                  epsabs=0.0, epsrel=1e-11)
+    return float(val)
 
 
 def replica_pairs_mnfti(b: int) -> float:
@@ -183,7 +213,7 @@ def optimal_redundancy_formula(n: int) -> float:
     return (math.log(n) + EULER_GAMMA) / math.log(2.0)
 
 
-def optimal_redundancy_transition(n: int, r_max: int = 12) -> int:
+def optimal_redundancy_transition(n: int, r_max: int = 28) -> int:
     """Smallest ``r`` whose Poisson-exact ``E[K]`` reaches ``N/2`` (the first capacity transition)."""
     for r in range(2, r_max + 1):
         if mean_failures_poisson(n, r) >= n / 2:

@@ -1,33 +1,49 @@
 """Crash-safe training checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
 Layout: ``<dir>/step_00000120/`` holds DCP's files (``.metadata``, ``__<rank>_0.distcp``), the trainer
-state (``trainer.pt``: scheduler, RNG, data cursor) and ``manifest.json`` (step, config, per-file sizes
-and a sha256 over every file's bytes). A checkpoint is written into ``<dir>/.tmp-step_.../`` and only
-becomes visible through one atomic ``os.rename`` after the manifest is written, so a save that dies
-midway never replaces or damages the previous good checkpoint. Old checkpoints are pruned (``keep``)
-only after the new one is committed. ``load`` re-hashes the files and refuses a checkpoint whose bytes
-do not match its manifest with a one-line ``CheckpointError``.
+state (``trainer.pt``: scheduler, RNG, registered components) and ``manifest.json`` (step, run id, config,
+per-file sizes and a sha256 over every file's bytes). A checkpoint is written into
+``<dir>/.tmp-step_.../`` and only becomes visible through one atomic ``os.rename`` after the manifest is
+written, so a save that dies midway never replaces or damages the previous good checkpoint. ``load``
+re-hashes the files and refuses a checkpoint whose bytes do not match its manifest with a one-line
+``CheckpointError``.
 
-Works in a single process without a process group (DCP's single-process mode) and under DDP (every
-rank calls ``save``/``load``; replicated tensors are written once). Relies on torch.distributed.checkpoint.
+A folder belongs to one run: every manifest names the ``run_id`` that wrote it. Pruning (``keep``) runs
+only after a commit, only among the checkpoints of the run that saved, and never removes the one just
+written; a pruned checkpoint is first renamed out of sight (``.del-step_...``) so a process killed while
+deleting never leaves a half-deleted checkpoint that looks committed. A checkpoint of another run is never
+overwritten; replacing one of the same run and step says so.
+
+``trainer.pt`` holds tensors and plain Python values only and is read with ``torch.load(weights_only=True)``:
+a checkpoint received from someone else cannot run code when it is loaded (checked again at save time, so
+a component whose state would not load is reported when it is saved, not when the run is resumed).
+
+Works in a single process without a process group (DCP's single-process mode) and under DDP / pipeline
+parallelism (every rank calls ``save``/``load``; replicated tensors are written once). Failures become
+one-line ``CheckpointError`` s (a full disk is named as such); Ctrl-C during a write stays a
+``KeyboardInterrupt``. Relies on torch.distributed.checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
 import re
 import shutil
+import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from trainguard.errors import CheckpointError
@@ -52,6 +68,10 @@ def _barrier() -> None:
 
 def _rank() -> int:
     return dist.get_rank() if _dist_on() else 0
+
+
+def _stderr_note(text: str) -> None:
+    sys.stderr.write(f"trainguard: note: {text}\n")
 
 
 def checksum(path: Path, names: list[str]) -> str:
@@ -88,6 +108,15 @@ def write_manifest(path: Path, step: int, config: dict | None, extra: dict | Non
         os.fsync(fh.fileno())
     os.replace(tmp, path / MANIFEST)
     return manifest
+
+
+def read_manifest(path: str | Path) -> dict | None:
+    """The manifest of a checkpoint folder without checking its files (None when unreadable)."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
 
 
 def verify(path: str | Path) -> dict:
@@ -127,14 +156,118 @@ def _quiet():
     return ctx
 
 
-class CheckpointManager:
-    """Save / find / load checkpoints in one directory, keeping the ``keep`` newest."""
+# ---- errors ----------------------------------------------------------------------------------------
+def _causes(err: BaseException) -> list[BaseException]:
+    """``err``, the per-rank exceptions DCP wrapped into it, and their causes / contexts."""
+    out: list[BaseException] = []
+    todo = [err]
+    while todo:
+        e = todo.pop(0)
+        if e is None or any(e is o for o in out):
+            continue
+        out.append(e)
+        if isinstance(e, CheckpointException):
+            for wrapped in e.failures.values():
+                todo.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+        todo += [e.__cause__, e.__context__]
+    return out
 
-    def __init__(self, directory: str | Path, keep: int = 2):
+
+def _first_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror + (f": {err.filename}" if err.filename else "")
+    text = str(err).strip()
+    if isinstance(err, CheckpointException):
+        return "DCP failed"
+    line = text.splitlines()[0].strip() if text else type(err).__name__
+    return line if len(line) < 200 else line[:197] + "..."
+
+
+def _interrupted(err: BaseException) -> bool:
+    return any(isinstance(e, KeyboardInterrupt) for e in _causes(err))
+
+
+def save_error(err: BaseException, directory: Path, step: int, needed_bytes: int = 0) -> CheckpointError:
+    """A one-line error for a failed save: a full disk is named as such (torch's zip writer reports
+    ENOSPC as ``unexpected pos``, so free space is checked too)."""
+    causes = _causes(err)
+    oserr = next((e for e in causes if isinstance(e, OSError) and e.errno is not None), None)
+    try:
+        free = shutil.disk_usage(directory if directory.exists() else directory.parent).free
+    except OSError:
+        free = None
+    full = (oserr is not None and oserr.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+        free is not None and free < max(needed_bytes, 1 << 20))
+    where = f"cannot write checkpoint step {step} in {directory}"
+    if full:
+        shown = f" ({free / 2**20:.1f} MiB free)" if free is not None else ""
+        return CheckpointError(f"{where}: no space left on device{shown}")
+    detail = _first_line(oserr) if oserr is not None else _first_line(next(
+        (e for e in causes if not isinstance(e, CheckpointException)), err))
+    return CheckpointError(f"{where}: {detail}")
+
+
+def _plain_check(buf: bytes) -> None:
+    """Refuse (at save time) trainer state that a weights-only load would refuse."""
+    try:
+        torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+    except Exception as err:
+        msg = str(err).strip().splitlines()
+        hint = next((line.strip() for line in msg if "GLOBAL" in line or "Unsupported" in line), msg[0] if msg else "")
+        raise CheckpointError(f"trainer state cannot be saved: it holds values a weights-only load refuses "
+                              f"({hint[:160]}); registered components must keep tensors and plain Python types") from None
+
+
+def _numpy_globals() -> list:
+    """The three numpy globals an RNG state saved by older trainguard versions needs (no others)."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return []
+    core = getattr(np, "_core", None) or np.core
+    return [np.dtype, np.ndarray, core.multiarray._reconstruct]
+
+
+def load_trainer_state(path: Path) -> dict:
+    """``trainer.pt`` with ``weights_only=True`` (older checkpoints' numpy RNG arrays allowed, nothing else)."""
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            extra = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
+    except Exception as err:
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+        why = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "")
+        raise CheckpointError(f"checkpoint {path}: refusing {TRAINER_STATE}: it is not plain tensors and values "
+                              f"({why[:200]})") from None
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"checkpoint {path}: {TRAINER_STATE} does not hold a dict")
+    return extra
+
+
+def _set_aside(path: Path, suffix: str) -> Path:
+    """Rename a checkpoint folder out of the way (``step_00000030.corrupt``), never deleting it."""
+    target = path.with_name(f"{path.name}.{suffix}")
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.{suffix}-{n}")
+        n += 1
+    os.rename(path, target)
+    return target
+
+
+class CheckpointManager:
+    """Save / find / load the checkpoints of one run in one directory, keeping the ``keep`` newest.
+
+    ``run_id`` names the run that saves: it is written into every manifest, and pruning only ever
+    touches checkpoints of that run. ``note`` receives one-line notices (replacing a checkpoint)."""
+
+    def __init__(self, directory: str | Path, keep: int = 2, run_id: str | None = None,
+                 note: Callable[[str], None] | None = None):
         if not str(directory):
             raise CheckpointError("checkpoint directory is empty")
         self.dir = Path(directory)
         self.keep = max(1, int(keep))
+        self.run_id = run_id
+        self.note = note if note is not None else _stderr_note
 
     # ---- discovery -------------------------------------------------------------------------------
     def checkpoints(self) -> list[tuple[int, Path]]:
@@ -155,18 +288,66 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         return self.dir / f"step_{step:08d}"
 
+    def run_of(self, path: Path) -> str | None:
+        m = read_manifest(path)
+        return m.get("run_id") if m else None
+
+    def owned(self, path: Path, run_id: str | None = None) -> bool:
+        """Whether ``path`` was written by ``run_id`` (checkpoints of versions without run ids count as owned)."""
+        rid = self.run_of(path)
+        return rid is None or rid == (run_id or self.run_id)
+
+    def newest_intact(self, step: int | None = None) -> tuple[Path | None, dict | None, list[tuple[Path, str]]]:
+        """(path, manifest) of the newest checkpoint that verifies (of ``step`` when given), and the newer
+        ones that did not, with the reason: [(path, one-line reason)]."""
+        bad: list[tuple[Path, str]] = []
+        for s, p in reversed(self.checkpoints()):
+            if step is not None and s != step:
+                continue
+            try:
+                return p, verify(p), bad
+            except CheckpointError as err:
+                bad.append((p, str(err)))
+        return None, None, bad
+
+    def set_aside(self, path: Path, why: str) -> Path:
+        """Rename a checkpoint out of the run (``why``: corrupt, superseded); it is kept for inspection."""
+        return _set_aside(path, why)
+
+    def recover(self) -> None:
+        """Undo a same-step replacement that died between its two renames (main rank, before use)."""
+        if not self.dir.is_dir():
+            return
+        for old in self.dir.glob(".old-step_*"):
+            name = old.name[len(".old-"):].rsplit("-", 1)[0]
+            final = self.dir / name
+            if _STEP_DIR.match(name) and not final.exists():
+                os.rename(old, final)
+            else:
+                shutil.rmtree(old, ignore_errors=True)
+
     # ---- save ------------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer=None, scheduler=None, config: dict | None = None,
-             trainer_state: dict | None = None) -> Path:
+             trainer_state: dict | None = None, extra_manifest: dict | None = None) -> Path:
         final = self.path_for(step)
         tmp = self.dir / f".tmp-{final.name}"
         rank = _rank()
-        if rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.dir.glob(".tmp-*"):  # left by a save that died
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
+        if final.exists() and self.run_id is not None:  # every rank checks, so every rank refuses together
+            other = self.run_of(final)
+            if other is not None and other != self.run_id:
+                raise CheckpointError(f"refusing to overwrite {final}: it belongs to run {other}, not to this run "
+                                      f"({self.run_id})")
+        try:
+            if rank == 0:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self.recover()
+                for stale in [*self.dir.glob(".tmp-*"), *self.dir.glob(".del-*")]:  # left by a process that died
+                    shutil.rmtree(stale, ignore_errors=True)
+                tmp.mkdir()
+        except OSError as err:
+            raise save_error(err, self.dir, step) from None
         _barrier()
+        state: dict[str, Any] = {}
         try:
             ctx = _quiet()
             try:
@@ -182,16 +363,27 @@ class CheckpointManager:
                 extra["has_optimizer"] = "optim" in state
                 buf = io.BytesIO()
                 torch.save(extra, buf)
+                _plain_check(buf.getvalue())
                 with open(tmp / TRAINER_STATE, "wb") as fh:
                     fh.write(buf.getvalue())
                     fh.flush()
                     os.fsync(fh.fileno())
-                write_manifest(tmp, step, config)
+                write_manifest(tmp, step, config, {"run_id": self.run_id, **(extra_manifest or {})})
                 self._commit(tmp, final)
-                self._prune()
-        except BaseException:
+                self._prune(final)
+        except BaseException as err:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(err, CheckpointError):
+                raise
+            if isinstance(err, KeyboardInterrupt) or _interrupted(err):
+                raise KeyboardInterrupt from None
+            if isinstance(err, (OSError, RuntimeError, CheckpointException)):
+                failed = save_error(err, self.dir, step, _nbytes(state))
+                previous = self.latest()
+                if previous is not None:
+                    failed = CheckpointError(f"{failed}; the previous checkpoint {previous.name} is intact")
+                raise failed from None
             raise
         _barrier()
         return final
@@ -205,7 +397,8 @@ class CheckpointManager:
         return {"model": model.state_dict()}
 
     def _commit(self, tmp: Path, final: Path) -> None:
-        if final.exists():  # re-saving the same step: move the old one aside, never delete it first
+        if final.exists():  # the same run saving the same step again: move the old one aside, never delete it first
+            self.note(f"replacing checkpoint {final} (saved earlier by this run)")
             aside = self.dir / f".old-{final.name}-{os.getpid()}"
             os.rename(final, aside)
             os.rename(tmp, final)
@@ -219,15 +412,21 @@ class CheckpointManager:
         except OSError:
             pass
 
-    def _prune(self) -> None:
-        found = self.checkpoints()
-        for _, p in found[: max(0, len(found) - self.keep)]:
-            shutil.rmtree(p, ignore_errors=True)
+    def _prune(self, just_written: Path) -> None:
+        """Delete this run's oldest checkpoints beyond ``keep`` (never ``just_written``, never another run's)."""
+        mine = [p for _, p in self.checkpoints() if p != just_written and self.owned(p)]
+        for p in mine[: max(0, len(mine) - (self.keep - 1))]:
+            gone = self.dir / f".del-{p.name}"
+            try:
+                os.rename(p, gone)  # out of sight first: a kill while deleting leaves no half checkpoint
+            except OSError:
+                continue
+            shutil.rmtree(gone, ignore_errors=True)
 
     # ---- load ------------------------------------------------------------------------------------
     def load(self, path: str | Path | None, model, optimizer=None, scheduler=None) -> dict:
         """Load ``path`` (None: the latest) into model/optimizer/scheduler; returns the manifest with
-        ``trainer_state`` (RNG, cursor, ...) added. CheckpointError when missing or corrupted."""
+        ``trainer_state`` (RNG, components, ...) added. CheckpointError when missing or corrupted."""
         if path is None:
             path = self.latest()
             if path is None:
@@ -235,13 +434,26 @@ class CheckpointManager:
         return load_checkpoint(path, model, optimizer, scheduler)
 
 
-def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None) -> dict:
+def _nbytes(state: dict) -> int:
+    total = 0
+    stack: list[Any] = [state]
+    while stack:
+        v = stack.pop()
+        if torch.is_tensor(v):
+            total += v.numel() * v.element_size()
+        elif isinstance(v, dict):
+            stack += list(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack += list(v)
+    return total
+
+
+def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, manifest: dict | None = None) -> dict:
+    """Load a checkpoint into ``model`` / ``optimizer`` / ``scheduler``; returns its manifest with
+    ``trainer_state`` and ``path`` added. ``manifest``: one already verified (skips the re-hash)."""
     path = Path(path)
-    manifest = verify(path)
-    try:
-        extra = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise CheckpointError(f"checkpoint {path}: cannot read {TRAINER_STATE}: {err}") from None
+    manifest = dict(manifest) if manifest is not None else verify(path)
+    extra = load_trainer_state(path)
     has_optim = bool(extra.get("has_optimizer")) and optimizer is not None
     ctx = _quiet()
     try:
@@ -252,9 +464,13 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None) -> 
             state = {"model": model.state_dict()}
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as err:
-            msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: {msg}") from None
+        except KeyboardInterrupt:
+            raise
+        except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+            if _interrupted(err):
+                raise KeyboardInterrupt from None
+            cause = next((e for e in _causes(err) if not isinstance(e, CheckpointException)), err)
+            raise CheckpointError(f"checkpoint {path} does not match this model/optimizer: {_first_line(cause)}") from None
         if has_optim:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
         else:

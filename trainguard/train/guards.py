@@ -118,6 +118,12 @@ class StepGuard:
     def after_update(self, ctx: StepContext) -> Verdict:
         return Verdict.commit()
 
+    def on_error(self, ctx: StepContext, err: Exception) -> Verdict | None:
+        """An exception escaped forward/backward: return a retry verdict if this guard knows it was caused by
+        a fault it detected (e.g. a corrupted routing decision made the recompute's shapes differ); None
+        lets the exception propagate. Single-process runs only."""
+        return None
+
     def on_retry(self, ctx: StepContext, verdict: Verdict) -> None:
         """Called on every rank after the step's state was restored, before the re-execution."""
 

@@ -1,14 +1,29 @@
-"""Multi-process launch for ``trainguard train``: when a run asks for ``dp * pp > 1`` processes and we
-are not already under ``torchrun`` (no ``LOCAL_RANK``), re-run the same command line through
-``python -m torch.distributed.run --standalone --nproc_per_node=dp*pp`` and return its exit code.
-Relies on the standard library (subprocess) and torch's elastic launcher.
+"""Multi-process launch for ``trainguard train``: when a run asks for more than one process
+(``distributed.world_size()``) and we are not already under ``torchrun`` (no ``LOCAL_RANK``), re-run the
+same command line in that many worker processes under torch's elastic agent (what ``torchrun --standalone`` runs) and return one exit code.
+
+Errors are reported once, not once per rank: each worker writes its one-line error (or, for a bug, its
+traceback) into a per-launch folder named by ``$TRAINGUARD_ERROR_DIR`` instead of printing it, the agent
+runs quietly (no ``ChildFailedError`` block), and :func:`relaunch` returns the first error by time, with its
+exit code (2 for bad input, 3, 4, 130 for Ctrl-C, 143 for SIGTERM). SIGTERM sent to this process is passed
+on to the workers (they checkpoint at the next step boundary and exit 143); Ctrl-C reaches them directly.
+Relies on the standard library (subprocess, signal) and torch's elastic launcher.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+ERROR_DIR_ENV = "TRAINGUARD_ERROR_DIR"
 
 
 def under_launcher() -> bool:
@@ -16,22 +31,120 @@ def under_launcher() -> bool:
 
 
 def needs_launch(cfg) -> bool:
-    return cfg.distributed.dp * cfg.distributed.pp > 1 and not under_launcher()
+    return cfg.distributed.world_size() > 1 and not under_launcher()
 
 
 def launch_command(nproc: int, cli_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "trainguard", *cli_args]
+    """The agent process: ``python -m trainguard.train.launch NPROC trainguard-args...``."""
+    return [sys.executable, "-m", "trainguard.train.launch", str(nproc), *cli_args]
 
 
-def relaunch(cfg, cli_args: list[str]) -> int:
-    """Run ``trainguard <cli_args>`` in dp*pp processes; the children inherit stdout/stderr."""
-    nproc = cfg.distributed.dp * cfg.distributed.pp
+@dataclass
+class LaunchResult:
+    returncode: int
+    message: str | None = None  # the one-line error of the first failing worker
+    traceback: str | None = None  # or its traceback, when it failed with a bug
+    rank: int | None = None
+    step: int | None = None  # for an interrupted run: the steps done when Ctrl-C came (rank 0)
+
+
+def relaunch(cfg, cli_args: list[str]) -> LaunchResult:
+    """Run ``trainguard <cli_args>`` in ``distributed.world_size()`` processes; the workers inherit stdout/stderr."""
+    nproc = cfg.distributed.world_size()
     env = dict(os.environ)
     # torchrun warns and forces 1 thread when unset; choose a fair share of the cores instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    with tempfile.TemporaryDirectory(prefix="trainguard-launch-") as errdir:
+        env[ERROR_DIR_ENV] = errdir
+        proc = subprocess.Popen(launch_command(nproc, cli_args), env=env)
+        # Ctrl-C reaches every process of the terminal's group: the workers stop themselves and the agent
+        # reports; this process only waits. SIGTERM sent to this process alone is passed on.
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        old_term = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+        try:
+            rc = proc.wait()
+        finally:
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, old_term)
+        return _result(rc, read_child_reports(Path(errdir)))
+
+
+def _result(rc: int, reports: list[dict]) -> LaunchResult:
+    if rc < 0:
+        rc = 128 - rc
+    errors = [r for r in reports if r.get("kind") in ("error", "traceback")]
+    if errors:
+        first = min(errors, key=lambda r: r.get("time", 0.0))
+        code = int(first.get("exit_code", 1))
+        if first["kind"] == "traceback":
+            return LaunchResult(code, traceback=first.get("text"), rank=first.get("rank"))
+        return LaunchResult(code, message=first.get("text"), rank=first.get("rank"))
+    interrupts = [r for r in reports if r.get("kind") == "interrupt"]
+    if interrupts:
+        main = min(interrupts, key=lambda r: r.get("rank", 0))
+        return LaunchResult(130, rank=main.get("rank"), step=main.get("step"))
+    return LaunchResult(rc)
+
+
+def read_child_reports(folder: Path) -> list[dict]:
+    out = []
+    for f in sorted(folder.glob("rank*.json")):
+        try:
+            out.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def report_from_child(kind: str, text: str = "", exit_code: int = 1, step: int | None = None) -> bool:
+    """In a worker started by :func:`relaunch`: record this rank's error instead of printing it (the launching
+    process prints the first one). Returns False outside such a worker (the caller prints)."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder or not under_launcher():
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    record = {"kind": kind, "text": text, "exit_code": exit_code, "rank": rank, "time": time.time(), "step": step}
+    path = Path(folder) / f"rank{rank}.json"
     try:
-        return subprocess.call(launch_command(nproc, cli_args), env=env)
+        if path.exists():  # keep the first report of this rank
+            return True
+        tmp = path.with_suffix(".part")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True
+
+
+def _agent_main(argv: list[str]) -> int:
+    """The elastic agent (``torchrun --standalone``) without its per-failure error block: returns the
+    exit code of the first worker that failed, or 128 + signal when the agent itself was signalled."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    nproc, cli = int(argv[0]), argv[1:]
+    args = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "trainguard", *cli])
+    try:
+        run(args)
+    except ChildFailedError as err:
+        _, failure = err.get_first_failure()
+        code = failure.exitcode
+        return 128 - code if code < 0 else (code or 1)
+    except SignalException as err:
+        return 128 + int(err.sigval)
     except KeyboardInterrupt:
         return 130
+    except Exception:  # the agent itself failed (rendezvous, ports): say so once
+        sys.stderr.write(traceback.format_exc())
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_agent_main(sys.argv[1:]))

@@ -1,15 +1,24 @@
-"""Per-step training metrics: ``metrics.jsonl`` (one JSON object per step) and a rich progress bar.
+"""Per-step training metrics: ``metrics.jsonl`` (one JSON object per step), optional TensorBoard event
+files and a rich progress bar. The fields are documented in docs/outputs.md.
 
-Losses and gradient norms stay on the device until a flush (every ``log_every`` steps), where they are
-read back with one ``tolist()``: no host sync per step. Peak memory is
+Steps are counted as optimizer steps done, the same way in every file: the record of the n-th optimizer
+step has ``"step": n``, an evaluation or checkpoint after it has step n, and ``step_0000000n`` is the
+checkpoint taken then. A resumed run first drops every record after the step it resumes from (the steps a
+crashed run logged beyond its last checkpoint are trained again), so the file holds each committed step
+once; TensorBoard gets the same cut through ``purge_step``.
+
+Losses and gradient norms stay on the device until a flush (every ``log_every`` steps, and before every
+checkpoint), where they are read back with one ``tolist()``: no host sync per step. Peak memory is
 ``torch.cuda.max_memory_allocated`` on CUDA and the process's peak RSS (``resource``) on CPU. Relies on
-the standard library, torch and rich (through ``trainguard.utils.progress``).
+the standard library, torch (``torch.utils.tensorboard`` when asked for) and rich (through
+``trainguard.utils.progress``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -31,7 +40,8 @@ class MetricsLogger:
     """Collects per-step records; writes them (and refreshes the progress bar) in batches."""
 
     def __init__(self, path: str | Path | None, total_steps: int, log_every: int = 10, progress: bool = True,
-                 device: torch.device | str = "cpu", description: str = "train", start_step: int = 0):
+                 device: torch.device | str = "cpu", description: str = "train", start_step: int = 0,
+                 tensorboard_dir: str | Path | None = None):
         self.path = Path(path) if path else None
         self.log_every = max(1, int(log_every))
         self.device = torch.device(device)
@@ -41,7 +51,15 @@ class MetricsLogger:
         self._fh = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if start_step > 0:
+                keep_records_until(self.path, start_step)
             self._fh = open(self.path, "a" if start_step > 0 else "w")
+        self._tb = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: events a crashed run wrote after the step this run resumes from are hidden
+            self._tb = SummaryWriter(str(tensorboard_dir), purge_step=start_step + 1 if start_step > 0 else None)
         self._progress = None
         self._task = None
         if progress:
@@ -64,11 +82,19 @@ class MetricsLogger:
             self.flush()
 
     def event(self, **fields: Any) -> None:
-        """A non-step record (evaluation, checkpoint) written in order with the step records."""
+        """A non-step record (evaluation, checkpoint, retry, ...) written in order with the step records."""
         self.flush()
         if self._fh is not None:
             self._fh.write(json.dumps(_finite(fields)) + "\n")
             self._fh.flush()
+        if self._tb is not None and "step" in fields:
+            kind = fields.get("event")
+            if kind == "eval":
+                for k in ("val_loss", "val_ppl"):
+                    if isinstance(fields.get(k), (int, float)):
+                        self._tb.add_scalar(f"val/{k[4:]}", fields[k], fields["step"])
+            elif kind in FAULT_EVENTS:
+                self._tb.add_scalar(f"faults/{kind}", 1, fields["step"])
 
     def flush(self) -> None:
         if not self.pending:
@@ -91,8 +117,12 @@ class MetricsLogger:
             r["peak_mem_mb"] = mem
             if self._fh is not None:
                 self._fh.write(json.dumps(_finite(r)) + "\n")
+            if self._tb is not None:
+                self._scalars(r)
         if self._fh is not None:
             self._fh.flush()
+        if self._tb is not None:
+            self._tb.flush()
         self.last = self.pending[-1]
         self.pending = []
         self._t_last_flush, self._tokens_since_flush = now, 0
@@ -102,6 +132,16 @@ class MetricsLogger:
                 self._task,
                 info=f"loss {last['loss']:.4f}  lr {last['lr']:.2e}  {tok_s:,.0f} tok/s",
             )
+
+    def _scalars(self, r: dict[str, Any]) -> None:
+        step = r["step"]
+        for k in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "peak_mem_mb"):
+            v = r.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._tb.add_scalar(f"train/{k}", v, step)
+        for k, v in r.items():  # counters of the techniques (abft_*_detected, ...), attempts
+            if k not in _STEP_FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._tb.add_scalar(f"counters/{k}", v, step)
 
     def set_info(self, text: str) -> None:
         if self._progress is not None:
@@ -115,6 +155,40 @@ class MetricsLogger:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+# events that report a fault or its handling (the plot marks them; TensorBoard counts them)
+FAULT_EVENTS = ("retry", "suspected_hardware", "failure", "failover", "healed", "preempted")
+_STEP_FIELDS = {"step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "peak_mem_mb"}
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (a line cut short by a crash is skipped)."""
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+    return out
+
+
+def keep_records_until(path: Path, step: int) -> None:
+    """Rewrite ``metrics.jsonl`` with only the records of steps <= ``step`` (atomically)."""
+    if not path.is_file():
+        return
+    kept = [r for r in read_records(path) if isinstance(r.get("step"), int) and r["step"] <= step]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with open(tmp, "w") as fh:
+        for r in kept:
+            fh.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
 
 
 def _finite(d: dict[str, Any]) -> dict[str, Any]:

@@ -35,8 +35,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import shutil
+import signal
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,16 +50,18 @@ from typing import Any
 import torch
 
 from trainguard.data import PackedBatches
-from trainguard.errors import ConfigError, StepAborted, SuspectedHardwareFault, TrainguardError
+from trainguard.errors import CheckpointError, ConfigError, StepAborted, SuspectedHardwareFault, TrainguardError
 from trainguard.models import build_model, lm_loss
+from trainguard.train import checkpoint as ckpt_mod
 from trainguard.train import snapshot as snap_mod
 from trainguard.train.activation_checkpoint import apply_activation_checkpointing
 from trainguard.train.checkpoint import CheckpointManager
+from trainguard.train.config import SCHEDULE_KEYS, resume_differences
 from trainguard.train.device import device_named
 from trainguard.train.guards import Action, StepContext, StepGuard, Verdict, worst
 from trainguard.train.host_memory import retain_freed_memory
 from trainguard.train.metrics import MetricsLogger, peak_memory_mb
-from trainguard.train.optim import build_optimizer, build_scheduler
+from trainguard.train.optim import WarmupCosine, build_optimizer, build_scheduler
 from trainguard.train.parallel import Strategy, build_strategy, dist_env
 from trainguard.train.parallel.base import MicroBatch
 from trainguard.train.snapshot import StepSnapshot
@@ -90,11 +97,14 @@ class StepResult:
 
 @dataclass
 class RunSummary:
+    """What ``run()`` did (``summary.json``; docs/outputs.md). Steps count optimizer steps done: ``start_step``
+    and ``end_step`` are the steps completed before and after this run, as in checkpoint names."""
+
     steps_run: int = 0
     start_step: int = 0
     end_step: int = 0
-    first_loss: float = float("nan")
-    final_loss: float = float("nan")
+    first_loss: float | None = None
+    final_loss: float | None = None
     val_loss: float | None = None
     val_ppl: float | None = None
     tokens: int = 0
@@ -103,8 +113,12 @@ class RunSummary:
     peak_mem_mb: float = 0.0
     first_nonfinite_step: int | None = None
     stopped_early: bool = False
+    stop_reason: str | None = None  # "nonfinite loss", "preempted" (SIGTERM), "interrupted" (Ctrl-C)
+    already_finished: bool = False  # resumed at or beyond train.steps: nothing was trained or written
     checkpoint: str | None = None
     resumed_from: str | None = None
+    resume_changes: dict[str, Any] = field(default_factory=dict)  # key -> [saved, new]
+    run_id: str = ""
     metrics_path: str | None = None
     device: str = "cpu"
     world_size: int = 1
@@ -117,6 +131,14 @@ class RunSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``Trainer.run``: carries the number of steps done when it came."""
+
+    def __init__(self, step: int):
+        super().__init__(f"interrupted at step {step}")
+        self.step = step
 
 
 def resolve_device(cfg, local_rank: int = 0) -> torch.device:
@@ -141,12 +163,17 @@ class Trainer:
         self.stop_on_nan = False  # stop run() at the first non-finite loss (the step's result is kept)
         self.show_progress = cfg.output.progress if progress is None else progress
         self.resumed_from: str | None = None
+        self.resume_changes: dict[str, list[Any]] = {}  # key -> [saved, new] of the resumed checkpoint's config
+        self.run_id = uuid.uuid4().hex[:12]  # written into every checkpoint; a resumed run takes the checkpoint's
+        self.preempt_requested = False  # set by SIGTERM during run(): checkpoint at the next step boundary and stop
         if cfg.checkpoint.resume and not cfg.checkpoint.dir:
             raise ConfigError("checkpoint.resume is true but checkpoint.dir is empty")
 
         self.strategy = strategy if strategy is not None else build_strategy(cfg)
         self.device = resolve_device(cfg, dist_env()[2])
         self.strategy.init(self)
+        if cfg.checkpoint.dir:  # before any work: not at the first save, after training (output.dir: in run())
+            check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
         if cfg.train.host_memory == "retain" and self.device.type == "cpu":
             retain_freed_memory()
         if self.world == 1 and cfg.distributed.dp > 1 and self.strategy.name in ("single", "ddp") and self.is_main:
@@ -165,15 +192,16 @@ class Trainer:
         self.grad_accum = cfg.train.grad_accum
         self.strategy.check_batch(self)
         self.optimizer = build_optimizer(self.model, cfg.train, fused=self.strategy.fused_optimizer(self))
+        # the configured hyper-parameters of each group: a resumed run applies these, not the saved ones
+        self._group_hparams = [{k: g[k] for k in ("betas", "weight_decay", "eps") if k in g}
+                               for g in self.optimizer.param_groups]
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.autocast_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
         self.tokens_per_step = self.batches.batch_size * self.batches.seq_len  # global
-        self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep) if cfg.checkpoint.dir else None
-        if cfg.checkpoint.resume:
-            if self.ckpt.latest() is not None:
-                self.load_checkpoint()
-            elif self.is_main:
-                sys.stderr.write(f"trainguard: note: no checkpoint in {self.ckpt.dir}; starting from step 0\n")
+        self.ckpt = (CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep, run_id=self.run_id, note=self._note)
+                     if cfg.checkpoint.dir else None)
+        if self.ckpt is not None:
+            self._open_checkpoint_dir()
 
     # ---- properties and seams ------------------------------------------------------------------
     @property
@@ -192,14 +220,24 @@ class Trainer:
     def forward_module(self) -> torch.nn.Module:
         return self.strategy.forward_module(self)
 
+    def _note(self, text: str) -> None:
+        if self.is_main:
+            sys.stderr.write(f"trainguard: note: {text}\n")
+
     def add_guard(self, guard: StepGuard) -> Callable[[], None]:
         """Register a step guard (on every rank); returns a remover."""
         self.guards.append(guard)
         return lambda: self.guards.remove(guard) if guard in self.guards else None
 
     def register_state(self, name: str, component: Stateful) -> Callable[[], None]:
-        """Register a stateful component: snapshotted for retries, saved in checkpoints, sent when healing."""
-        return self.state.register(name, component)
+        """Register a stateful component: snapshotted for retries, saved in checkpoints, sent when healing.
+        A component registered after a resume (a technique switched on once the trainer exists) gets its saved
+        state at once."""
+        remove = self.state.register(name, component)
+        saved = getattr(self, "_resumed_components", {}).get(name)
+        if saved is not None:
+            component.load_state_dict(saved)
+        return remove
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -247,12 +285,22 @@ class Trainer:
                     stack.enter_context(make(step))
                 self.optimizer.zero_grad(set_to_none=True)
                 plan = self.strategy.plan(self, step)
+                if plan.step != step:  # elastic: this replica healed from a peer and goes on in the peer's step
+                    step, lr = plan.step, self.optimizer.param_groups[0]["lr"]
+                    ctx = StepContext(self, step, attempt)
+                    start = StepStart.capture(step, self.state) if guarded else None
                 self._stage("plan", step)
-                loss = self.strategy.forward_backward(self, plan)
-                ctx.loss = loss
-                self._stage("forward_backward", step)
-                verdicts = self._guard("before_update", ctx) if guarded else []
-                committed = not verdicts and self.strategy.should_commit(self)
+                try:
+                    loss = self.strategy.forward_backward(self, plan)
+                except Exception as err:  # a guard may know the cause (a detected fault that derailed the step)
+                    verdicts, loss, committed = self._on_error(ctx, err), None, False
+                    if not verdicts:
+                        raise
+                if loss is not None:  # (None: a guard explained an exception: retry below)
+                    ctx.loss = loss
+                    self._stage("forward_backward", step)
+                    verdicts = self._guard("before_update", ctx) if guarded else []
+                    committed = not verdicts and self.strategy.should_commit(self)
                 if committed:
                     if inspects_update:
                         update_snapshot = snap_mod.capture(self.model, self.optimizer, self.scheduler, step)
@@ -298,6 +346,18 @@ class Trainer:
             if fn is not None:
                 fn(self, result)
         return result
+
+    def _on_error(self, ctx: StepContext, err: Exception) -> list[Verdict]:
+        """Guards' explanation of an exception in forward/backward: retry verdicts, or [] (re-raise). Single
+        process only: on several ranks the others would wait in a collective for the failed one."""
+        if self.world > 1:
+            return []
+        out = []
+        for g in self.guards:
+            v = g.on_error(ctx, err)
+            if v is not None and not v.ok:
+                out.append(Verdict(v.action, v.site, v.reason, v.guard or g.name, self.rank))
+        return out
 
     def _stage(self, stage: str, step: int) -> None:
         """Tell callbacks with ``on_stage(trainer, stage, step)`` that a stage finished (fail-stop injection
@@ -382,49 +442,185 @@ class Trainer:
         return out
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Write a checkpoint of the current step (None on a rank that does not write them)."""
         if self.ckpt is None:
             raise ConfigError("checkpoint.dir is not set")
-        rng = snap_mod.rng_state()
+        if not self.strategy.writes_checkpoints():
+            return None
+        rng = _plain_rng(snap_mod.rng_state())
         by_rank = self.strategy.gather_object(rng)  # every rank's RNG (a collective on every rank)
         state = {"step": self.step_idx, "rng": rng, "rng_by_rank": by_rank, "world": self.world,
                  "strategy": self.strategy.name, "components": self.state.state_dict()}
-        return self.ckpt.save(self.step_idx, self.model, self.optimizer, self.scheduler, self.cfg.to_dict(), state)
+        model_cfg = json.loads(json.dumps(asdict(self.cfg.model_config()), default=str))
+        return self.ckpt.save(self.step_idx, self.model, self.optimizer, self.scheduler, self.cfg.to_dict(), state,
+                              extra_manifest={"model_config": model_cfg})
 
-    def load_checkpoint(self, path: str | Path | None = None) -> dict:
-        """Load ``path`` (None: the latest in checkpoint.dir) and continue from its step."""
+    def load_checkpoint(self, path: str | Path | None = None, manifest: dict | None = None) -> dict:
+        """Load ``path`` (None: the latest in checkpoint.dir) and continue from its step with this trainer's
+        config: the learning-rate schedule and the optimizer's hyper-parameters come from ``cfg`` (the
+        schedule is rebuilt at the loaded step), everything else from the checkpoint."""
         mgr = self.ckpt or CheckpointManager(Path(path).parent if path else ".", 1)
-        manifest = mgr.load(path, self.model, self.optimizer, self.scheduler)
+        if path is None:
+            path = mgr.latest()
+            if path is None:
+                raise CheckpointError(f"no checkpoint in {mgr.dir}")
+        manifest = ckpt_mod.load_checkpoint(path, self.model, self.optimizer, self.scheduler, manifest=manifest)
         state = manifest["trainer_state"]
         self.step_idx = int(state.get("step", manifest["step"]))
         by_rank = state.get("rng_by_rank") or []
         rng = by_rank[self.rank] if len(by_rank) == self.world else state.get("rng")
         if rng is not None:
             snap_mod.set_rng_state(_rng_for_this_host(rng, self.device))
-        self.state.load_state_dict(state.get("components", {}), strict=False)
+        self._resumed_components = dict(state.get("components", {}))  # for components registered later too
+        self.state.load_state_dict(self._resumed_components, strict=False)
+        self._apply_configured_schedule()
         self.resumed_from = manifest["path"]
+        if manifest.get("run_id"):
+            self.run_id = manifest["run_id"]
+            if self.ckpt is not None:
+                self.ckpt.run_id = self.run_id
         return manifest
+
+    def _apply_configured_schedule(self) -> None:
+        """The optimizer's hyper-parameters and the LR schedule of ``cfg`` at ``step_idx`` (a resume applies
+        the new config; with an unchanged config the values are bitwise those the saved run had)."""
+        tc, sched = self.cfg.train, self.scheduler
+        for group, hp in zip(self.optimizer.param_groups, self._group_hparams):
+            group.update(hp)
+            group["initial_lr"] = tc.lr
+        warmup = int(round(tc.warmup_ratio * tc.steps))  # as build_scheduler computes it
+        sched.lr_lambdas = [WarmupCosine(tc.steps, warmup, tc.min_lr_ratio) for _ in self.optimizer.param_groups]
+        sched.base_lrs = [tc.lr for _ in self.optimizer.param_groups]
+        sched.last_epoch = self.step_idx
+        lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = list(lrs)
+
+    def _open_checkpoint_dir(self) -> None:
+        """Decide, on the main rank, what this run does with ``checkpoint.dir`` (new run, start over, resume
+        which checkpoint) and apply it on every rank. One-line CheckpointError when the folder holds another
+        run's checkpoints, no intact one, or one whose config differs in the run's shape or data."""
+        plan = self._plan_checkpoint_dir(apply=True) if self.is_main else None
+        plan = self.strategy.broadcast_object(plan)
+        if plan is None:  # a strategy whose ranks decide alone (elastic replicas): read-only, the writer decides
+            plan = self._plan_checkpoint_dir(apply=False)
+        if not self.strategy.spans_default_group() and self.world > 1:
+            # replicas without a shared group still write as one run: a run id all of them derive alike
+            self.run_id = _shared_run_id(self.cfg)
+            self.ckpt.run_id = self.run_id
+        if plan.get("error"):
+            raise CheckpointError(plan["error"])
+        for text in plan.get("notes", []):
+            self._note(text)
+        if plan.get("resume"):
+            self.load_checkpoint(plan["resume"], manifest=plan["manifest"])
+            self.resume_changes = {k: [a, b] for k, a, b in plan["changes"]}
+            self._note(_resume_message(plan, self.step_idx, self.cfg.train.steps, self.run_id))
+
+    def _plan_checkpoint_dir(self, apply: bool) -> dict[str, Any]:
+        cc, mgr = self.cfg.checkpoint, self.ckpt
+        notes: list[str] = []
+        if apply:
+            mgr.recover()
+        found = mgr.checkpoints()
+        if not cc.resume:
+            if not apply:
+                return {}
+            if found and not cc.start_over:
+                runs = sorted({mgr.run_of(p) or "of an older version" for _, p in found})
+                return {"error": f"checkpoint.dir {mgr.dir} holds checkpoints of another run (run {', '.join(runs)}; "
+                                 f"steps {_steps(found)}): continue it with --checkpoint.resume true, delete them with "
+                                 f"--checkpoint.start_over true, or choose another checkpoint.dir"}
+            if found and apply:
+                runs = sorted({mgr.run_of(p) or "?" for _, p in found})
+                for _, p in found:
+                    gone = p.with_name(f".del-{p.name}")
+                    os.rename(p, gone)
+                    shutil.rmtree(gone, ignore_errors=True)
+                notes.append(f"checkpoint.start_over: deleted {len(found)} checkpoint(s) of run {', '.join(runs)} "
+                             f"(steps {_steps(found)}) in {mgr.dir}")
+            return {"notes": notes}
+        step = cc.resume_step if cc.resume_step >= 0 else None
+        path, manifest, bad = mgr.newest_intact(step)
+        if path is None:
+            if step is not None:
+                why = f": {bad[0][1]}" if bad else f" (its checkpoints: steps {_steps(found) or 'none'})"
+                return {"error": f"checkpoint.resume_step {step}: no intact checkpoint of that step in {mgr.dir}{why}"}
+            if bad:
+                return {"error": f"no intact checkpoint in {mgr.dir} to resume: {bad[0][1]}"
+                                 + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")}
+            notes.append(f"no checkpoint in {mgr.dir}; starting from step 0")
+            return {"notes": notes}
+        refused, changed = resume_differences(manifest.get("config"), manifest.get("model_config"), self.cfg)
+        if refused:
+            return {"error": f"cannot resume {path}: it is another run's shape or data: "
+                             f"{_changes(refused)} (keep the saved values, or start a new run in another checkpoint.dir)"}
+        mine = manifest.get("run_id")
+        for p, why in bad:
+            if apply:
+                moved = mgr.set_aside(p, "corrupt")
+                notes.append(f"warning: {why}; moved to {moved.name}; falling back to step {manifest['step']}")
+            else:
+                notes.append(f"warning: {why}; falling back to step {manifest['step']}")
+        later = [(s, p) for s, p in found if s > int(manifest["step"]) and p.exists() and mgr.owned(p, mine)]
+        if later and apply:
+            for _, p in later:
+                mgr.set_aside(p, "superseded")
+            notes.append(f"resuming from step {manifest['step']}: this run's later checkpoints (steps {_steps(later)}) "
+                         "were renamed to *.superseded (not deleted)")
+        return {"resume": str(path), "manifest": manifest, "changes": changed, "notes": notes}
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self, steps: int | None = None) -> RunSummary:
         """Run ``steps`` more optimizer steps (default: until ``train.steps``), with progress bar,
-        metrics.jsonl, evaluation every ``train.eval_every`` steps and checkpoints."""
+        metrics.jsonl, evaluation every ``train.eval_every`` steps and checkpoints.
+
+        SIGTERM (preemption) is handled while it runs: the run finishes the current step, saves a checkpoint,
+        writes the summary and returns with ``stop_reason = "preempted"``. Ctrl-C raises
+        :class:`RunInterrupted` (the summary is written first). A resumed run that is already at
+        ``train.steps`` trains nothing and writes nothing (``already_finished``)."""
         cfg = self.cfg
         start = self.step_idx
         n = steps if steps is not None else max(0, cfg.train.steps - start)
         end = start + n
         out_dir = Path(cfg.output.dir) if cfg.output.dir else None
+        summary = RunSummary(start_step=start, end_step=start, device=str(self.device), world_size=self.world,
+                             strategy=self.strategy.name, model=cfg.model.preset, params=self.strategy.count_params(self),
+                             resumed_from=self.resumed_from, resume_changes=dict(self.resume_changes), run_id=self.run_id)
+        if steps is None and self.resumed_from is not None and start >= cfg.train.steps:
+            summary.already_finished = True
+            summary.checkpoint = self.resumed_from
+            self._note(f"run {self.run_id} is already finished: {self.resumed_from} is at step {start} and "
+                       f"train.steps = {cfg.train.steps}; nothing to do (raise --train.steps to train further)")
+            return summary
+        if self.is_main:
+            check_output_folders(cfg, checkpoints=False)
         metrics_path = out_dir / "metrics.jsonl" if (out_dir and cfg.output.metrics and self.is_main) else None
+        tb_dir = out_dir / "tb" if (out_dir and cfg.output.tensorboard and self.is_main) else None
         logger = MetricsLogger(metrics_path, total_steps=end, log_every=cfg.train.log_every,
-                               progress=self.show_progress and self.is_main, device=self.device, start_step=start)
-        summary = RunSummary(start_step=start, device=str(self.device), world_size=self.world,
-                             strategy=self.strategy.name, model=cfg.model.preset,
-                             params=self.strategy.count_params(self),
-                             metrics_path=str(metrics_path) if metrics_path else None, resumed_from=self.resumed_from)
+                               progress=self.show_progress and self.is_main, device=self.device, start_step=start,
+                               tensorboard_dir=tb_dir)
+        summary.metrics_path = str(metrics_path) if metrics_path else None
+        if self.resumed_from is not None and start > 0:
+            logger.event(event="resume", step=start, path=self.resumed_from, run_id=self.run_id,
+                         changed=summary.resume_changes)
         first_loss = last = None
         last_eval_step = last_ckpt_step = -1
         evaluation: dict[str, float] = {}
         t0 = time.perf_counter()
+
+        def checkpoint() -> None:
+            nonlocal last_ckpt_step
+            logger.flush()  # every step up to the checkpoint is in metrics.jsonl before the checkpoint exists
+            saved = self.save_checkpoint()
+            last_ckpt_step = self.step_idx
+            if saved is not None:
+                summary.checkpoint = str(saved)
+                logger.event(event="checkpoint", step=self.step_idx, path=summary.checkpoint)
+
+        previous_handler = self._catch_sigterm()
         try:
             while self.step_idx < end:
                 r = self.train_step()
@@ -433,35 +629,62 @@ class Trainer:
                     first_loss = r.loss_t
                 summary.retries += r.attempts - 1
                 for retry in r.retries:
-                    logger.event(event="retry", step=r.step, **retry)
-                logger.record(r.step, r.loss_t, r.grad_norm_t, r.lr, r.tokens, r.step_time_s,
+                    logger.event(event="retry", step=r.step + 1, **retry)
+                logger.record(r.step + 1, r.loss_t, r.grad_norm_t, r.lr, r.tokens, r.step_time_s,
                               **({"attempts": r.attempts} if r.attempts > 1 else {}), **self.extra_metrics())
                 if self.stop_on_nan and not r.finite:
-                    summary.stopped_early = True
+                    summary.stopped_early, summary.stop_reason = True, "nonfinite loss"
                     break
                 if cfg.train.eval_every and self.step_idx % cfg.train.eval_every == 0:
                     evaluation = self.evaluate()
                     last_eval_step = self.step_idx
                     logger.event(event="eval", step=self.step_idx, **evaluation)
                 if self.ckpt is not None and cfg.checkpoint.every and self.step_idx % cfg.checkpoint.every == 0:
-                    summary.checkpoint = str(self.save_checkpoint())
-                    last_ckpt_step = self.step_idx
-                    logger.event(event="checkpoint", step=self.step_idx, path=summary.checkpoint)
+                    checkpoint()
+                if self.step_idx < end and self._preempted():
+                    summary.stopped_early, summary.stop_reason = True, "preempted"
+                    if self.ckpt is not None and last_ckpt_step != self.step_idx:
+                        checkpoint()
+                    logger.event(event="preempted", step=self.step_idx, signal="SIGTERM")
+                    break
             if last is not None and not summary.stopped_early:
                 if cfg.train.eval_every and last_eval_step != self.step_idx:
                     evaluation = self.evaluate()
                     logger.event(event="eval", step=self.step_idx, **evaluation)
                 if self.ckpt is not None and last_ckpt_step != self.step_idx:
-                    summary.checkpoint = str(self.save_checkpoint())
-                    logger.event(event="checkpoint", step=self.step_idx, path=summary.checkpoint)
+                    checkpoint()
         except SuspectedHardwareFault as err:
             summary.suspected_hardware = str(err)
-            logger.event(event="suspected_hardware", step=self.step_idx, message=str(err))
+            logger.event(event="suspected_hardware", step=self.step_idx + 1, message=str(err))
             raise
+        except KeyboardInterrupt:
+            summary.stopped_early, summary.stop_reason = True, "interrupted"
+            raise RunInterrupted(self.step_idx) from None
         finally:
+            self._restore_sigterm(previous_handler)
             logger.close()
             self._finish_summary(summary, start, t0, first_loss, last, evaluation, logger, out_dir)
         return summary
+
+    # ---- preemption ------------------------------------------------------------------------------
+    def _catch_sigterm(self) -> Any:
+        """Turn SIGTERM into a request to stop at the next step boundary (main thread only)."""
+        self.preempt_requested = False
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_sigterm(signum, frame):
+            self.preempt_requested = True
+
+        return signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _restore_sigterm(self, previous: Any) -> None:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _preempted(self) -> bool:
+        """Whether any rank got SIGTERM: every rank stops after the same step (one collective when world > 1)."""
+        return self.strategy.any_rank(self, self.preempt_requested)
 
     def _finish_summary(self, summary: RunSummary, start: int, t0: float, first_loss, last, evaluation, logger,
                         out_dir: Path | None) -> None:
@@ -480,7 +703,9 @@ class Trainer:
         summary.extra.update(self.extra_metrics())
         if out_dir and self.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "summary.json").write_text(json.dumps(_json_safe(summary.to_dict()), indent=1))
+            tmp = out_dir / f".summary.json.{os.getpid()}"
+            tmp.write_text(json.dumps(_json_safe(summary.to_dict()), indent=1))
+            os.replace(tmp, out_dir / "summary.json")
 
     def extra_metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -493,12 +718,87 @@ class Trainer:
         self.strategy.close()
 
 
-def _rng_for_this_host(rng: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Drop saved CUDA RNG states that do not fit this host (a CPU resume of a GPU run, fewer GPUs)."""
+def _plain_rng(rng: dict[str, Any]) -> dict[str, Any]:
+    """RNG states as tensors and plain values (a weights-only load reads them): NumPy's key array becomes a tensor."""
     rng = dict(rng)
+    state = rng.get("numpy")
+    if state is not None and not torch.is_tensor(state[1]):
+        name, key, pos, has_gauss, cached = state
+        rng["numpy"] = (str(name), torch.tensor(key.tolist(), dtype=torch.int64), int(pos), int(has_gauss), float(cached))
+    return rng
+
+
+def _rng_for_this_host(rng: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Saved RNG states ready for ``set_rng_state``: NumPy's key back to an array; CUDA states that do not
+    fit this host (a CPU resume of a GPU run, fewer GPUs) dropped."""
+    rng = dict(rng)
+    state = rng.get("numpy")
+    if state is not None and torch.is_tensor(state[1]):
+        import numpy as np
+
+        rng["numpy"] = (state[0], np.asarray(state[1].tolist(), dtype=np.uint32), *state[2:])
     if device.type != "cuda" or len(rng.get("cuda", [])) != torch.cuda.device_count():
         rng.pop("cuda", None)
     return rng
+
+
+def check_output_folders(cfg, checkpoints: bool = True) -> None:
+    """One-line ConfigError unless ``checkpoint.dir`` and ``output.dir`` can be created and written (and
+    TensorBoard, when asked for, can be imported): checked before training, not at the first save."""
+    if checkpoints and cfg.checkpoint.dir:
+        check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
+    if cfg.output.dir:
+        check_writable(Path(cfg.output.dir), "output.dir")
+    if cfg.output.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError("output.tensorboard needs the tensorboard package (pip install tensorboard)") from None
+
+
+def check_writable(path: Path, what: str) -> None:
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {path} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"{what} {path} cannot be created: {err.strerror or err}") from None
+    probe = path / f".trainguard-write-test-{os.getpid()}"
+    try:
+        with open(probe, "wb") as fh:
+            fh.write(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"{what} {path} is not writable: {err.strerror or err}") from None
+
+
+def _shared_run_id(cfg) -> str:
+    """A run id every replica of one elastic run derives alike: from the sections that define the run."""
+    import hashlib
+
+    d = cfg.to_dict()
+    ident = {k: d.get(k) for k in ("model", "data", "train")} | {"checkpoint.dir": cfg.checkpoint.dir}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _steps(found: list[tuple[int, Path]]) -> str:
+    steps = [s for s, _ in found]
+    return ", ".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]}, ..., {steps[-1]} ({len(steps)} in all)"
+
+
+def _changes(changes: list[tuple[str, Any, Any]]) -> str:
+    return ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
+
+
+def _resume_message(plan: dict[str, Any], step: int, total: int, run_id: str) -> str:
+    changed = plan["changes"]
+    text = f"resuming run {run_id} from {plan['resume']} (step {step} of {total})"
+    if not changed:
+        return text + "; config unchanged"
+    text += f"; changed: {_changes(changed)}"
+    if any(k in SCHEDULE_KEYS for k, _, _ in changed):
+        text += f" (the learning-rate schedule is rebuilt from the new config at step {step})"
+    return text
 
 
 def _json_safe(d: Any) -> Any:
@@ -525,4 +825,5 @@ def run_training(cfg, progress: bool | None = None, setup: Callable[[Trainer], N
         trainer.close()
 
 
-__all__ = ["RunSummary", "StepResult", "Trainer", "TrainguardError", "dist_env", "resolve_device", "run_training"]
+__all__ = ["RunInterrupted", "RunSummary", "StepResult", "Trainer", "TrainguardError", "check_output_folders", "dist_env",
+           "resolve_device", "run_training"]

@@ -14,14 +14,17 @@ sections. This module loads such a tree strictly:
 * after loading, every section's ``validate()`` runs (children first), so impossible values are refused
   before any work starts. Every error is one line (``ConfigError``).
 
-Field help comes from ``field(metadata={"help": ...})`` (:func:`setting`); :func:`describe` lists every
-key with its type, default and help (``trainguard train --help`` is generated from it).
+Field help comes from ``field(metadata={"help": ...})`` (:func:`setting`), or else from the comment that
+ends the field's line in the class source; :func:`describe` lists every key with its type, default and
+help (``trainguard train --help`` is generated from it).
 Relies on the standard library (``dataclasses``, ``typing``, ``tomllib``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 import tomllib
 import types
 import typing
@@ -330,11 +333,26 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             rows += describe(type(value), key)
             continue
-        rows.append((key, type_name(hints[f.name]), _show(value), f.metadata.get("help", "")))
+        text = f.metadata.get("help") or _comment_help(cls).get(f.name, "")
+        rows.append((key, type_name(hints[f.name]), _show(value), text))
     extra = getattr(cls, "describe_extra", None)
     if callable(extra):
         rows += [(f"{prefix}.{k}" if prefix else k, t, d, h) for k, t, d, h in extra()]
     return rows
+
+
+def _comment_help(cls: type) -> dict[str, str]:
+    """``{field: comment}`` from lines like ``name: type = default  # what it means`` in the class source."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    out = {}
+    for line in lines:
+        m = re.match(r"^\s+(\w+)\s*:[^#]*#\s*(.+?)\s*$", line)
+        if m:
+            out.setdefault(m.group(1), m.group(2))
+    return out
 
 
 def _show(value: Any) -> str:

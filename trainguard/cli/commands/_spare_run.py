@@ -1,35 +1,55 @@
 """``trainguard spare run``: real data-parallel training with SPARe's stacked shards on torchft.
 
-Registered by :mod:`trainguard.cli.commands.spare`. Each group is a process; ``--kill G@STEP[:start|compute]``
-SIGKILLs group ``G`` at step ``STEP`` (``compute``: after it computed its stacks, before the all-reduce, so its
-shards are lost and must be patched). ``--verify`` also runs the fault-free reference in one process and
-reports the largest parameter difference. JSON keys: ``steps``, ``killed_groups``, ``global_restarts``,
-``patch_computes``, ``mean_stacks_per_step``, ``final_loss``, ``survivors``, ``max_param_diff_vs_fault_free``
-(with ``--verify``), ``wall_s``, ``step_logs``.
+Registered by :mod:`trainguard.cli.commands.spare`. Each group is a process running the Trainer with the
+elastic strategy and SPARe's policy. ``--kill G@STEP[:POINT]`` SIGKILLs group ``G`` at step ``STEP``
+(``compute``: after it computed its stacks, before the all-reduce, so its counted shards are lost and must
+be recounted or patched); ``--random-kills K`` SIGKILLs ``K`` training groups from outside at random moments.
+``--verify [TOL]`` also runs the fault-free reference in one process, prints the largest parameter
+difference and exits 1 when it exceeds ``TOL`` (default 0: bitwise). JSON keys: ``steps``,
+``killed_groups``, ``kills``, ``deaths``, ``global_restarts``, ``patch_computes``, ``mean_stacks_per_step``,
+``final_loss``, ``survivors``, ``survivors_agree``, ``max_param_diff_vs_fault_free`` / ``verify_tolerance`` /
+``verified`` (with ``--verify``), ``wall_s``, ``errors``, ``step_logs``.
 """
 
 from __future__ import annotations
+
+import sys
 
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, progress, table
 from trainguard.errors import TrainguardError
 
 
+def _settings(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for text in pairs:
+        key, sep, value = text.partition("=")
+        if not sep or "." not in key:
+            raise TrainguardError(f"--set expects SECTION.KEY=VALUE (a trainer setting), got {text!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def cmd_run(args) -> int:
-    from trainguard.failover.spare.runtime import Kill, SpareRunConfig, reference_run, run_spare
+    from trainguard.failover.spare.runtime import Kill, SpareRunConfig, max_param_diff, reference_run, run_spare
 
     overrides = {}
     if args.tiny:
         overrides = dict(dim=32, n_layers=1, n_heads=2, ffn_hidden=64)
+    if args.verify is not None and not args.verify >= 0:
+        raise TrainguardError(f"--verify tolerance must be >= 0, got {args.verify}")
     cfg = SpareRunConfig(
         groups=args.groups, redundancy=args.redundancy, steps=args.steps, model=args.model,
         model_overrides=overrides, seq_len=args.seq_len, shard_batch=args.shard_batch, lr=args.lr, seed=args.seed,
         checkpoint_every=args.checkpoint_every, run_dir=args.run_dir or "",
         kills=tuple(Kill.parse(k) for k in args.kill or ()), timeout_s=args.timeout,
+        overrides=_settings(args.set or []), start_method=args.start_method, random_kills=args.random_kills,
+        random_kill_seed=args.kill_seed, max_restarts=args.max_restarts,
     ).validate()
     if not args.json:
         console.print(f"SPARe run: N={cfg.groups} groups, r={cfg.redundancy}, {cfg.steps} steps, model {cfg.model}"
                       f"{' (tiny)' if args.tiny else ''}, kills: "
-                      + (", ".join(f"group {k.group} at step {k.step} ({k.when})" for k in cfg.kills) or "none"))
+                      + (", ".join(f"group {k.group} at step {k.step} ({k.when})" for k in cfg.kills) or "none")
+                      + (f", {cfg.random_kills} random kills from outside" if cfg.random_kills else ""))
     bar = None if args.json else progress(transient=False)
     task = None
     if bar is not None:
@@ -44,6 +64,8 @@ def cmd_run(args) -> int:
                        info=f"loss {info['loss']:.3f}  stack {info['stack']}")
         elif kind == "killed":
             err_console.print(f"  group {g} killed at step {info['step']} ({info['when']})")
+        elif kind == "died":
+            err_console.print(f"  group {g} died at step {info['step']}: {info['detail']}")
         elif kind == "wipeout":
             bar.update(task, completed=0)
             err_console.print(f"  group {g}: wipe-out at step {info['step']} (shard types {info['types']} lost "
@@ -58,18 +80,27 @@ def cmd_run(args) -> int:
             bar.stop()
     out = res.summary()
     out.update(groups=cfg.groups, redundancy=cfg.redundancy, model=cfg.model, step_logs=res.step_logs)
-    if args.verify:
-        ref = reference_run(cfg)
-        out["max_param_diff_vs_fault_free"] = max(float((res.state[k] - ref[k]).abs().max()) for k in ref)
+    failed = False
+    if args.verify is not None:
+        diff = max_param_diff(res.state, reference_run(cfg))
+        failed = not diff <= args.verify
+        out.update(max_param_diff_vs_fault_free=diff, verify_tolerance=args.verify, verified=not failed)
     if args.json:
         emit_json(out)
-        return 0
-    rows = [(lg["step"], lg["stack"], lg["patches"], ",".join(map(str, lg["failed"])) or "-", lg["phase"] or "-",
-             f"{lg['loss']:.4f}") for lg in res.step_logs]
-    console.print(table("steps (stack = all-reduce stack s)", rows,
-                        columns=("step", "stack", "patch shards", "failed groups", "controller", "loss")))
-    summary = {k: v for k, v in out.items() if k not in ("step_logs", "kills")}
-    console.print(table("summary", summary))
+    else:
+        rows = [(lg["step"], lg["stack"], lg["patches"], ",".join(map(str, lg["failed"])) or "-", lg["phase"] or "-",
+                 f"{lg['loss']:.4f}") for lg in res.step_logs]
+        console.print(table("steps (stack = all-reduce stack s)", rows,
+                            columns=("step", "stack", "patch shards", "failed groups", "controller", "loss")))
+        if res.deaths:
+            console.print(table("deaths", [(d["group"], d["step"], d["cause"], d["detail"]) for d in res.deaths],
+                                columns=("group", "step", "cause", "detail")))
+        summary = {k: v for k, v in out.items() if k not in ("step_logs", "kills", "deaths")}
+        console.print(table("summary", summary))
+    if failed:
+        sys.stderr.write(f"trainguard: verification failed: parameters differ from the fault-free run by "
+                         f"{out['max_param_diff_vs_fault_free']:.3g} > tolerance {args.verify:g}\n")
+        return 1
     return 0
 
 
@@ -86,10 +117,21 @@ def add_run_parser(sub) -> None:
     ru.add_argument("--seed", type=int, default=0)
     ru.add_argument("--checkpoint-every", type=int, default=2)
     ru.add_argument("--run-dir", default=None, help="checkpoint folder (must not hold a checkpoint; default: temporary)")
-    ru.add_argument("--kill", action="append", metavar="G@STEP[:start|compute]",
-                    help="kill group G at step STEP (repeatable)")
+    ru.add_argument("--kill", action="append", metavar="G@STEP[:POINT]",
+                    help="kill group G at step STEP; POINT: start, plan, compute (default), forward_backward, update "
+                         "(repeatable)")
+    ru.add_argument("--random-kills", type=int, default=0, metavar="K",
+                    help="SIGKILL K training groups from outside at random moments")
+    ru.add_argument("--kill-seed", type=int, default=0, help="seed of --random-kills")
+    ru.add_argument("--max-restarts", type=int, default=3, help="global restarts (after a wipe-out) before giving up")
+    ru.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                    help="a trainer setting for every group and the reference, e.g. train.dtype=bf16 (repeatable)")
+    ru.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
+                    help="how group processes start (forkserver imports torch once)")
     ru.add_argument("--timeout", type=float, default=20.0, help="collective timeout in seconds")
-    ru.add_argument("--verify", action="store_true", help="compare the final parameters with the fault-free run")
+    ru.add_argument("--verify", type=float, nargs="?", const=0.0, default=None, metavar="TOL",
+                    help="compare the final parameters with the fault-free run; exit 1 if they differ by more "
+                         "than TOL (default 0: bitwise)")
     add_json_flag(ru)
     ru.set_defaults(handler=cmd_run)
 

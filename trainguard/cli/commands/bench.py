@@ -36,7 +36,7 @@ def register(subparsers) -> None:
     add_json_flag(t)
     t.set_defaults(handler=run_train)
 
-    for mod_name in ("_bench_abft",):
+    for mod_name in ("_bench_abft", "_bench_dmr"):
         try:
             import importlib
 

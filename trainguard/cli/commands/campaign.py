@@ -43,6 +43,9 @@ def register(subparsers) -> None:
     a.add_argument("--max-retries", type=int, default=3, help="step re-executions per trial (default 3)")
     add_json_flag(a)
     a.set_defaults(handler=run_abft)
+    from trainguard.cli.commands._campaign_dmr import register_campaign
+
+    register_campaign(sub)
 
 
 def run_abft(args) -> int:

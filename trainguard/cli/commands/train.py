@@ -1,26 +1,53 @@
 """``trainguard train [CONFIG] [--section.key value ...] [--json]``: train from a TOML config.
 
-Overrides use the config's dotted names (``--train.steps 50``, ``--model.dim=64``). Multi-process runs
-(``distributed.dp * distributed.pp > 1``) re-launch themselves under torchrun
-(``trainguard.train.launch``); rank 0 prints the summary. Relies on argparse and rich.
+Overrides use the config's dotted names (``--train.steps 50``, ``--model.dim=64``); ``--help`` lists every
+key with its type, default and meaning, generated from the config classes. Multi-process runs
+(``distributed.dp * distributed.pp > 1``) re-launch themselves under torch's elastic agent
+(``trainguard.train.launch``); rank 0 prints the summary and errors are printed once.
+
+Exit codes: 0 done (or nothing left to do), 2 bad input (config, corpus, checkpoint, folder), 3 suspected
+hardware fault, 4 step aborted, 130 Ctrl-C, 143 preempted by SIGTERM (a checkpoint was saved at the step
+boundary). Relies on argparse and rich.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import types
 
 from trainguard.cli.output import console, emit_json, table
 
-HELP = """usage: trainguard train [CONFIG] [--section.key VALUE ...] [--json]
+USAGE = """usage: trainguard train [CONFIG] [--section.key VALUE ...] [--json]
 
-Train a model. CONFIG is a TOML file (see configs/); every config field can be overridden on the
-command line as --section.key VALUE or --section.key=VALUE, e.g.
+Train a model. CONFIG is a TOML file (see configs/) with sections [model] [data] [train] [checkpoint]
+[distributed] [sdc] [output]; every key below can also be given on the command line as
+--section.key VALUE or --section.key=VALUE, e.g.
   trainguard train configs/tiny.toml --train.steps 50 --data.max_bytes 2000000
-Sections: model, data, train, checkpoint, distributed, sdc, output.
   --json    print the run summary as one JSON object on the last line of stdout
+
+Resume a run: the same command with --checkpoint.resume true (see the README, "Resuming a run").
+Exit codes: 0 done, 2 bad input, 3 suspected hardware fault, 4 step aborted, 130 Ctrl-C,
+143 preempted by SIGTERM (checkpoint saved at the next step boundary).
 """
+
+
+def help_text() -> str:
+    """USAGE plus every config key with its type, default and meaning (from the config classes)."""
+    from trainguard.config import config_help
+
+    lines = [USAGE]
+    section = None
+    for key, typ, default, text in config_help():
+        head = key.rsplit(".", 1)[0]
+        if head != section:
+            section = head
+            lines.append(f"[{head}]")
+        lines.append(f"  --{key}  {typ}  (default: {default})")
+        if text:
+            lines.append(f"      {text}")
+    return "\n".join(lines) + "\n"
 
 
 def _parse_known_args(self, args=None, namespace=None):
@@ -29,7 +56,7 @@ def _parse_known_args(self, args=None, namespace=None):
     ns = namespace if namespace is not None else argparse.Namespace()
     items = list(sys.argv[1:] if args is None else args)
     if "-h" in items or "--help" in items:
-        sys.stdout.write(HELP)
+        sys.stdout.write(help_text())
         raise SystemExit(0)
     ns.json = "--json" in items
     items = [a for a in items if a != "--json"]
@@ -50,32 +77,85 @@ def cli_args(args) -> list[str]:
     return ["train", *([args.config] if args.config else []), *args.overrides, *(["--json"] if args.json else [])]
 
 
+_RESUME_KEYS = ("checkpoint.resume", "checkpoint.resume_step", "checkpoint.start_over")
+
+
+def resume_command(args) -> str:
+    """This command line with ``--checkpoint.resume true`` (and no other resume / start-over choice)."""
+    items, kept, i = list(args.overrides), [], 0
+    while i < len(items):
+        item = items[i]
+        key = item[2:].split("=", 1)[0] if item.startswith("--") else None
+        if key in _RESUME_KEYS:
+            i += 1 if "=" in item else 2
+            continue
+        kept.append(item)
+        i += 1
+    argv = ["trainguard", "train", *([args.config] if args.config else []), *kept, "--checkpoint.resume", "true"]
+    return shlex.join(argv)
+
+
+def where_to_resume(cfg, args) -> str:
+    """The newest intact checkpoint and the command that resumes from it (for Ctrl-C and SIGTERM)."""
+    if not cfg.checkpoint.dir:
+        return "no checkpoint.dir was set, so the run cannot be resumed"
+    from trainguard.train.checkpoint import CheckpointManager
+
+    path, manifest, _ = CheckpointManager(cfg.checkpoint.dir).newest_intact()
+    if path is None:
+        return f"no checkpoint in {cfg.checkpoint.dir} yet (the next run starts from step 0)"
+    return f"newest intact checkpoint: step {manifest['step']} ({path}); resume with: {resume_command(args)}"
+
+
 def run(args) -> int:
     from trainguard.config import load_config
-    from trainguard.train.launch import needs_launch, relaunch
+    from trainguard.train.launch import needs_launch, relaunch, report_from_child
+    from trainguard.train.trainer import check_output_folders
 
     cfg = load_config(args.config, args.overrides)
+    check_output_folders(cfg)  # an unwritable folder is found now, not at the first save after training
     if needs_launch(cfg):
         from trainguard.data import resolve_files
 
-        resolve_files(cfg.data.source)  # a missing corpus is one line here, not one traceback per rank
-
-        return relaunch(cfg, cli_args(args))
+        resolve_files(cfg.data.source)  # a missing corpus is one line here, not one per rank
+        res = relaunch(cfg, cli_args(args))
+        if res.message:
+            sys.stderr.write(f"trainguard: error: {res.message}\n")
+        elif res.traceback:
+            sys.stderr.write(res.traceback)
+        elif res.returncode == 130:
+            sys.stderr.write(_interrupted(cfg, args, res.step))
+        return res.returncode
 
     from trainguard.sdc.runtime import attach_from_config
     from trainguard.train.trainer import dist_env, run_training
 
     rank = dist_env()[0]
-    summary = run_training(cfg, setup=attach_from_config)
+    try:
+        summary = run_training(cfg, setup=attach_from_config)
+    except KeyboardInterrupt as err:
+        step = getattr(err, "step", None)
+        if not report_from_child("interrupt", "", 130, step) and rank == 0:
+            sys.stderr.write(_interrupted(cfg, args, step))
+        return 130
+    preempted = summary.stop_reason == "preempted"
     if rank != 0:
-        return 0
+        return 143 if preempted else 0
     d = summary.to_dict() if hasattr(summary, "to_dict") else dict(summary)
     d["config"] = args.config
-    rows = {k: v for k, v in d.items() if k not in ("extra", "config") and v is not None}
+    rows = {k: v for k, v in d.items() if k not in ("extra", "config", "resume_changes") and v is not None}
     (console if not args.json else _stderr_console()).print(table("trainguard train: summary", rows))
+    if preempted:
+        sys.stderr.write(f"trainguard: preempted (SIGTERM) after step {summary.end_step}; "
+                         f"{where_to_resume(cfg, args)}\n")
     if args.json:
         emit_json(d)
-    return 0
+    return 143 if preempted else 0
+
+
+def _interrupted(cfg, args, step) -> str:
+    where = f"at step {step}" if step is not None else "before training started"
+    return f"trainguard: interrupted {where}; {where_to_resume(cfg, args)}\n"
 
 
 def _stderr_console():

@@ -1,46 +1,44 @@
-"""SPARe runtime: real data-parallel training with stacked redundant shards on torchft.
+"""SPARe runtime: the Trainer's elastic data-parallel strategy on torchft with SPARe's plan as its policy.
 
-Relies on :mod:`trainguard.failover.elastic` (torchft ``Manager`` quorum, reconfigurable gloo/nccl process
-groups), :class:`~trainguard.failover.spare.controller.ReCtlr` and ``torch.multiprocessing`` (one process per
-data-parallel group, so a killed group is a real fail-stop: ``SIGKILL``, its sockets close, its heartbeats
-stop).
+Relies on :mod:`trainguard.train.parallel.elastic` (``ElasticStrategy``: torchft quorum, membership, ordered
+all-reduce, ``should_commit``), :class:`~trainguard.failover.spare.controller.ReCtlr`,
+:mod:`trainguard.faults.failstop` (kills) and ``torch.multiprocessing`` (one process per data-parallel group,
+so a killed group is a real fail-stop: ``SIGKILL``, its sockets close, its heartbeats stop).
 
-The global batch of a step is ``N`` shards, one per *shard type*; shard ``t`` of step ``i`` is a pure
-function of ``(seed, i, t)`` (:class:`~trainguard.data.batches.PackedBatches`), so any group can compute any
-type it hosts. Group ``g`` hosts the ``r`` types of the Golomb placement. Each step (SPARe paper, Alg. 1):
+The global batch of a step is ``N`` slices, one per *shard type*; slice ``t`` of step ``i`` is a pure function
+of ``(seed, i, t)``, so any group can compute any type it hosts. Group ``g`` hosts the ``r`` types of the
+Golomb placement. :class:`SparePolicy` is SPARe's Alg. 1 as a gradient-sync policy:
 
-1. torchft quorum, then the membership of this step (``ElasticGroup.members``). Groups missing since the
-   last step go to ``ReCtlr.on_failure``: new all-reduce stack ``s`` and orders (HK-Fixed / HK-Free / MCMF),
-   or a wipe-out -> every survivor exits and the launcher does a **global restart** from the last checkpoint.
-2. Every group computes its first ``s`` stacks in stack order. The type's gradient is *counted* by the group
-   the controller assigns it to; a group keeps the gradients of its other top-``s`` types (redundant copies)
-   apart, in case their assignee dies before the all-reduce.
-3. All-reduce (sum) of the counted gradients; torchft's ``should_commit``. If a group died during the step
-   the collective fails for everyone: the survivors run the controller on the new membership and finish the
-   *same* step: a lost type whose redundant copy was computed by a survivor is counted from that copy, a
-   type no survivor computed gets **patch compute** on the host the controller names. Then the all-reduce
-   is retried on the shrunk quorum.
-4. The summed gradient divided by ``N`` is the mean over all shards -- the fault-free data-parallel gradient,
-   up to fp32 summation order -- and AdamW steps.
+* ``plan``: groups gone since the last step go to ``ReCtlr.on_failure`` (HK-Fixed / HK-Free / MCMF): new
+  all-reduce stack ``s`` and stack orders, or a wipe-out (:class:`SpareWipeout`: every survivor stops and the
+  launcher restarts all groups from the last checkpoint). Every alive group computes its first ``s``
+  stacks; the copy of type ``t`` on the group the controller assigns ``t`` to is counted, the other copies
+  are kept apart (``keep=True``).
+* ``on_failure`` (a group died during the step): the controller runs on the new membership; a lost type
+  whose redundant copy a survivor computed is counted from that copy; a type nobody computed gets **patch
+  compute** on the host the controller names. The strategy finishes the same step.
 
-Every ``checkpoint_every`` steps the lowest live group writes a checkpoint (``torch.save`` to a temporary file
-+ atomic rename; a good checkpoint is never overwritten in place).
+Each counted slice carries weight ``1/N``, and the strategy sums the ``N`` slice gradients in slice order:
+the gradient is the single-process trainer's, bitwise, whoever computed each slice. ``reference_run`` is
+that single-process trainer with the same config (AdamW, schedule, clipping, activation checkpointing,
+autocast).
 """
 
 from __future__ import annotations
 
 import io
 import math
-import os
+import pickle
 import queue as queue_mod
 import signal
 import tempfile
+import threading
 import time
 import traceback
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -48,13 +46,97 @@ import torch
 from trainguard.errors import TrainguardError
 from trainguard.failover.spare.controller import ReCtlr
 from trainguard.failover.spare.placement import check_supported, make_placement
+from trainguard.faults.failstop import POINTS, ExternalKiller, FailStop, KillPoint
+from trainguard.train.checkpoint import CheckpointManager
+from trainguard.train.parallel.base import MicroBatch
+from trainguard.train.parallel.elastic import GradSyncPolicy, Recovery, StepView, SyncPlan
 
-KILL_WHEN = ("start", "compute")  # before the step's quorum / after computing its stacks, before the all-reduce
+KILL_WHEN = POINTS  # start (before the step's quorum), plan, compute (before the all-reduce), forward_backward, update
+
+
+class SpareWipeout(TrainguardError):
+    """A shard type lost every host: the run must restart all groups from the last checkpoint."""
+
+    def __init__(self, step: int, failed: list[int], types: list[int]):
+        super().__init__(f"SPARe wipe-out at step {step}: groups {failed} failed and shard types {types} lost every host")
+        self.step, self.failed, self.types = step, failed, types
+
+
+class SparePolicy(GradSyncPolicy):
+    """SPARe's stacked redundant shards with adaptive reordering, as a gradient-sync policy (module docstring)."""
+
+    name = "spare"
+
+    def __init__(self, groups: int, redundancy: int):
+        self.placement = make_placement(groups, redundancy)
+        self.ctl = ReCtlr(self.placement)
+
+    def n_slices(self, replicas: int, grad_accum: int) -> int:
+        return self.placement.n
+
+    def _alive(self) -> set[int]:
+        return {int(g) for g in np.flatnonzero(self.ctl.alive)}
+
+    def plan(self, view: StepView) -> SyncPlan:
+        n = self.placement.n
+        if view.live == frozenset(range(n)) and len(self._alive()) < n:
+            self.ctl.reset()  # every group is back (a global restart): the initial placement, s = 1
+        gone = sorted(self._alive() - view.live)
+        phase = ""
+        if gone:  # failed between steps: reorder before anyone computes
+            res = self.ctl.on_failure(gone)
+            if res.wipeout:
+                raise SpareWipeout(view.step, gone, list(res.wiped_types))
+            phase = res.phase
+        orders, s, assign = self.ctl.orders, self.ctl.stack, self.ctl.assign
+        work = {g: [MicroBatch(int(t), n, 1.0 / n, keep=int(assign[t]) != g) for t in orders[g, :s].tolist()]
+                for g in sorted(view.live) if self.ctl.alive[g]}
+        return SyncPlan(work, info={"stack": int(s), "phase": phase, "failed_before": gone,
+                                    "idle": sorted(view.live - set(work))})
+
+    def on_failure(self, view: StepView, failed: frozenset[int], plan: SyncPlan) -> Recovery:
+        res = self.ctl.on_failure(sorted(failed))
+        if res.wipeout:
+            raise SpareWipeout(view.step, sorted(failed), list(res.wiped_types))
+        n = self.placement.n
+        lost = sorted(mb.index for r in failed for mb in plan.work.get(r, []) if not mb.keep)
+        count: dict[int, list[int]] = {}
+        extra: dict[int, list[MicroBatch]] = {}
+        load: dict[int, int] = {}
+        for t in lost:
+            holders = sorted(r for r in view.live if any(mb.index == t and mb.keep for mb in plan.work.get(r, [])))
+            if holders:  # a survivor computed a redundant copy in its first s stacks: count it
+                count.setdefault(holders[0], []).append(t)
+                continue
+            # nobody computed it: patch compute on the host the controller names (first failure of the step)
+            # or, after a second one, on the least-loaded surviving host
+            host = res.patches.get(t)
+            if host is None or host not in view.live:
+                host = min((int(h) for h in self.placement.hosts[t] if int(h) in view.live),
+                           key=lambda h: (load.get(h, 0), h))
+            load[host] = load.get(host, 0) + 1
+            extra.setdefault(int(host), []).append(MicroBatch(t, n, 1.0 / n, tags=frozenset({"patch"})))
+        patches = {mb.index: h for h, mbs in extra.items() for mb in mbs}
+        return Recovery(extra=extra, count=count, info={"phase": res.phase, "patches": patches,
+                                                        "recounted": sorted(t for ts in count.values() for t in ts)})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"controller": pickle.dumps(self.ctl)}  # orders, stack, alive and the assignment, exactly
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "controller" in state:
+            self.ctl = pickle.loads(state["controller"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Configuration
 
 
 @dataclass(frozen=True)
 class Kill:
-    """Kill group ``group`` at step ``step``: at its ``start`` or after its ``compute`` (mid-step)."""
+    """Kill group ``group`` at step ``step`` when it reaches ``when`` (a fail-stop point: ``start`` before the
+    step's quorum, ``plan``, ``compute`` after computing its stacks and before the all-reduce,
+    ``forward_backward``, ``update``)."""
 
     group: int
     step: int
@@ -62,13 +144,13 @@ class Kill:
 
     @classmethod
     def parse(cls, text: str) -> Kill:
-        """``G@STEP`` or ``G@STEP:start|compute``."""
+        """``G@STEP`` or ``G@STEP:POINT``."""
         try:
             head, _, when = text.partition(":")
             g, s = head.split("@")
             kill = cls(int(g), int(s), when or "compute")
         except ValueError:
-            raise TrainguardError(f"--kill expects GROUP@STEP[:start|compute], got {text!r}") from None
+            raise TrainguardError(f"--kill expects GROUP@STEP[:{'|'.join(KILL_WHEN)}], got {text!r}") from None
         if kill.when not in KILL_WHEN:
             raise TrainguardError(f"--kill {text!r}: when must be one of {', '.join(KILL_WHEN)}")
         return kill
@@ -88,19 +170,36 @@ class SpareRunConfig:
     corpus: str = "stdlib"
     corpus_max_bytes: int = 1_000_000
     checkpoint_every: int = 2
-    run_dir: str = ""               # checkpoints; a temporary directory when empty
+    run_dir: str = ""               # checkpoints (run_dir/checkpoints, DCP); a temporary directory when empty
     kills: tuple[Kill, ...] = ()
     max_restarts: int = 3
     timeout_s: float = 20.0
     threads_per_group: int = 1
+    overrides: dict = field(default_factory=dict)  # further trainer settings, {"train.dtype": "bf16", ...}
+    start_method: str = "forkserver"  # torch.multiprocessing start method of the groups: forkserver (torch imported
+    #                                   once, restarts take a fraction of a second) or spawn
+    heartbeat_timeout_ms: int = 1500  # a silent group leaves the quorum after this long
+    random_kills: int = 0           # SIGKILL this many training groups from the launcher at random moments, each
+    #                                 once the run committed a step since the previous kill
+    random_kill_seed: int = 0
+    random_kill_gap_s: tuple[float, float] = (0.3, 1.5)  # uniform wait before each random kill
 
     def validate(self) -> SpareRunConfig:
         check_supported(self.groups, self.redundancy)
-        for name in ("steps", "seq_len", "shard_batch", "checkpoint_every", "threads_per_group"):
+        for name in ("steps", "seq_len", "shard_batch", "checkpoint_every", "threads_per_group", "heartbeat_timeout_ms"):
             if getattr(self, name) < 1:
                 raise TrainguardError(f"spare run: {name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise TrainguardError(f"spare run: lr must be > 0, got {self.lr}")
+        if self.max_restarts < 0:
+            raise TrainguardError(f"spare run: max_restarts must be >= 0, got {self.max_restarts}")
+        if self.random_kills < 0:
+            raise TrainguardError(f"spare run: random_kills must be >= 0, got {self.random_kills}")
+        lo, hi = self.random_kill_gap_s
+        if not 0 <= lo <= hi:
+            raise TrainguardError(f"spare run: random_kill_gap_s must be 0 <= low <= high, got {self.random_kill_gap_s}")
+        if self.start_method not in ("spawn", "forkserver"):
+            raise TrainguardError(f"spare run: start_method must be spawn or forkserver, got {self.start_method!r}")
         for k in self.kills:
             if not 0 <= k.group < self.groups:
                 raise TrainguardError(f"spare run: kill of group {k.group}, but groups are 0..{self.groups - 1}")
@@ -108,232 +207,156 @@ class SpareRunConfig:
                 raise TrainguardError(f"spare run: kill at step {k.step}, but steps are 0..{self.steps - 1}")
         if len({(k.group, k.step) for k in self.kills}) != len(self.kills):
             raise TrainguardError("spare run: the same group is killed twice at one step")
+        trainer_config(self)  # the trainer settings are valid
         return self
 
 
-# --------------------------------------------------------------------------------------------------
-# The model, data and optimizer every group (and the reference) builds identically
+def trainer_config(cfg: SpareRunConfig, group: int | None = None, lighthouse: str = "", resume: bool = False):
+    """The Trainer config of one group (``group`` set: elastic, one process per group) or of the
+    single-process reference (``group=None``: the ``N`` slices as ``grad_accum`` micro-batches)."""
+    from trainguard.train.config import TrainerConfig
+
+    n = cfg.groups
+    settings: dict[str, Any] = {
+        "model.preset": cfg.model, **{f"model.{k}": v for k, v in cfg.model_overrides.items()},
+        "data.source": cfg.corpus, "data.max_bytes": cfg.corpus_max_bytes, "data.seq_len": cfg.seq_len,
+        "data.batch_size": cfg.shard_batch * n, "data.seed": cfg.seed,
+        "train.steps": cfg.steps, "train.lr": cfg.lr, "train.seed": cfg.seed, "train.eval_every": 0,
+        "train.device": "cpu", "output.dir": "", "output.metrics": False, "output.progress": False,
+        **cfg.overrides,
+    }
+    if group is None:
+        settings.update({"train.grad_accum": n, "distributed.strategy": "single", "distributed.dp": 1})
+    else:
+        settings.update({
+            "train.grad_accum": 1, "distributed.strategy": "elastic", "distributed.dp": n,
+            "distributed.elastic.replica_id": group, "distributed.elastic.lighthouse": lighthouse,
+            "distributed.elastic.timeout_s": cfg.timeout_s,
+            "checkpoint.dir": str(Path(cfg.run_dir) / "checkpoints") if cfg.run_dir else "",
+            "checkpoint.every": cfg.checkpoint_every, "checkpoint.resume": bool(resume and cfg.run_dir),
+        })
+    try:
+        return TrainerConfig.load(None, settings)
+    except TrainguardError as err:
+        raise TrainguardError(f"spare run: {err}") from None
 
 
-def _build(cfg: SpareRunConfig):
+def _batches(cfg: SpareRunConfig):
+    """The run's batches (every group and the reference read the same corpus the same way)."""
     from trainguard.data.batches import PackedBatches
-    from trainguard.data.corpus import load_corpus
-    from trainguard.models import build_model
 
-    model = build_model(cfg.model, seed=cfg.seed, **cfg.model_overrides)
-    streams = load_corpus(cfg.corpus, 0.02, cfg.corpus_max_bytes or None)
-    data = PackedBatches(streams, cfg.seq_len, cfg.shard_batch * cfg.groups, cfg.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, foreach=False)
-    return model, data, opt
-
-
-def _shard_grad(model, data, cfg: SpareRunConfig, step: int, t: int) -> tuple[torch.Tensor, float]:
-    """Gradient (flat fp32) and loss of shard type ``t`` of step ``step``."""
-    from trainguard.failover.elastic import flat_grads
-    from trainguard.models import lm_loss
-
-    x, y = data.batch(step, rank=t, world_size=cfg.groups)
-    model.zero_grad(set_to_none=True)
-    loss = lm_loss(model(x), y)
-    loss.backward()
-    return flat_grads(list(model.parameters())), float(loss.detach())
-
-
-def _apply(model, opt, summed: torch.Tensor, n_types: int) -> None:
-    from trainguard.failover.elastic import set_flat_grads
-
-    set_flat_grads(list(model.parameters()), summed / n_types)
-    opt.step()
+    return PackedBatches.from_config(trainer_config(cfg).data)
 
 
 def reference_run(cfg: SpareRunConfig) -> dict[str, torch.Tensor]:
-    """The fault-free run in one process: each step the mean gradient of all ``N`` shards."""
+    """The fault-free run in one process: the same Trainer config, each step the ``N`` slices as micro-batches
+    (same weights, same accumulation order, same thread count as a group)."""
+    from trainguard.train.trainer import Trainer
+
     cfg.validate()
-    model, data, opt = _build(cfg)
-    for step in range(cfg.steps):
-        total = None
-        for t in range(cfg.groups):
-            g, _ = _shard_grad(model, data, cfg, step, t)
-            total = g if total is None else total + g
-        _apply(model, opt, total, cfg.groups)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-# --------------------------------------------------------------------------------------------------
-# Checkpoints (atomic; the previous good one stays until the new one is complete)
-
-
-def _save_checkpoint(path: Path, step: int, model, opt, ctl: ReCtlr) -> None:
-    payload = {"step": step, "model": model.state_dict(), "optim": opt.state_dict(),
-               "spare": {"orders": ctl.orders, "stack": ctl.stack, "alive": ctl.alive.copy()}}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
-    os.close(fd)
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-
-
-def _load_checkpoint(path: Path, model, opt) -> int:
-    ck = torch.load(path, weights_only=False)
-    model.load_state_dict(ck["model"])
-    opt.load_state_dict(ck["optim"])
-    return int(ck["step"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads_per_group)
+    try:
+        trainer = Trainer(trainer_config(cfg), progress=False)
+        try:
+            for _ in range(cfg.steps):
+                trainer.train_step()
+            return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        finally:
+            trainer.close()
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------------------------------
 # One data-parallel group (runs in its own process)
 
 
-@dataclass
-class _StepLog:
-    step: int
-    stack: int                 # all-reduce stack s of this step
-    computed: int              # shards this group computed (s plus its patches)
-    patches: int = 0           # patch-compute shards this group ran
-    failed: tuple[int, ...] = ()
-    phase: str = ""
-    loss: float = float("nan")
+class RunningGroups:
+    """The pids of the groups that are training right now, from ``run_spare``'s progress events (a group counts
+    once it committed a step in its current process). ``RunningGroups(forward)`` passes every event on."""
+
+    def __init__(self, forward: Callable[[str, int, dict], None] | None = None):
+        self.forward = forward
+        self._pids: dict[int, int] = {}
+        self._running: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.steps_seen = 0  # committed steps reported, over all groups
+
+    def __call__(self, kind: str, group: int, info: dict) -> None:
+        with self._lock:
+            if kind == "started":
+                self._pids[group] = info["pid"]
+                self._running.pop(group, None)
+            elif kind == "step" and group in self._pids:
+                self._running[group] = self._pids[group]
+                self.steps_seen += 1
+            elif kind in ("killed", "wipeout", "done", "error", "died"):
+                self._pids.pop(group, None)
+                self._running.pop(group, None)
+        if self.forward is not None:
+            self.forward(kind, group, info)
+
+    def pids(self) -> dict[int, int]:
+        with self._lock:
+            return dict(self._running)
 
 
-def _group_main(g: int, cfg: SpareRunConfig, lighthouse: str, resume: str | None, barrier, queue) -> None:
+class _Reporter:
+    """Sends every committed step's record to the launcher."""
+
+    def __init__(self, group: int, queue):
+        self.group, self.queue = group, queue
+
+    def on_step_end(self, trainer, result) -> None:
+        rec = trainer.strategy.record
+        pol = rec["policy"]
+        failures = [e for e in rec["events"] if e["event"] == "failure"]
+        patches = sum(1 for e in failures for h in e.get("patches", {}).values() if h == self.group)
+        phase = next((e["phase"] for e in reversed(failures) if e.get("phase")), "") or pol.get("phase", "")
+        self.queue.put(("step", self.group, {
+            "step": rec["step"], "stack": pol.get("stack", 0), "computed": rec["work"].get(self.group, 0),
+            "patches": patches, "failed": rec["failed"], "phase": phase, "loss": result.loss,
+            "recovery_s": [round(e["recovery_s"], 3) for e in failures]}))
+
+
+def _group_main(g: int, cfg: SpareRunConfig, lighthouse: str, resume: bool, barrier, queue, batches=None) -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    from trainguard.failover.elastic import ElasticConfig, ElasticGroup, quiet_torchft_logs
+    from trainguard.train.parallel.elastic import ElasticStrategy
+    from trainguard.train.parallel.torchft_group import quiet_torchft_logs
+    from trainguard.train.trainer import Trainer
 
     quiet_torchft_logs()
     torch.set_num_threads(cfg.threads_per_group)
+    trainer = None
     try:
-        model, data, opt = _build(cfg)
-        placement = make_placement(cfg.groups, cfg.redundancy)
-        ctl = ReCtlr(placement)
-        start = _load_checkpoint(Path(resume), model, opt) if resume else 0
-        n = cfg.groups
-        grp = ElasticGroup(g, n, ElasticConfig(lighthouse=lighthouse, timeout_s=cfg.timeout_s),
-                           state_dict=lambda: {"model": model.state_dict(), "optim": opt.state_dict(),
-                                               "spare": {"orders": ctl.orders, "stack": ctl.stack,
-                                                         "alive": ctl.alive.copy()}},
-                           load_state_dict=lambda sd: _heal(sd, model, opt, ctl, placement))
-        grp.manager.load_state_dict({"step": start, "batches_committed": 0})
-        kills = {k.step: k.when for k in cfg.kills if k.group == g and k.step >= start}
-        ckpt = Path(cfg.run_dir) / "checkpoint.pt"
-        barrier.wait(timeout=300)  # every group is heartbeating before step 0 (a broken start fails loudly)
+        trainer = Trainer(trainer_config(cfg, g, lighthouse, resume), batches=batches,
+                          strategy=ElasticStrategy(SparePolicy(cfg.groups, cfg.redundancy)), progress=False)
+        trainer.callbacks.append(_Reporter(g, queue))
 
-        def die(step: int, when: str) -> None:
-            queue.put(("killed", g, {"step": step, "when": when}))
+        def report_kill(p: KillPoint) -> None:
+            queue.put(("killed", g, {"step": p.step, "when": p.point}))
             time.sleep(0.2)  # let the queue's feeder thread flush before the fail-stop
-            os.kill(os.getpid(), signal.SIGKILL)
 
-        need_quorum = True
-        while grp.step < cfg.steps:
-            step = grp.step
-            if kills.get(step) == "start":
-                die(step, "start")
-            if need_quorum:
-                grp.begin_step()
-                if grp.step != step:  # healed from a peer that committed a step we did not: go on in it
-                    need_quorum = False
-                    continue
-            need_quorum = True
-            live = grp.members()
-            if not live:
-                grp.commit()
-                continue
-            failed = sorted(int(h) for h in np.flatnonzero(ctl.alive) if h not in live)
-            phase = ""
-            if failed:
-                res = ctl.on_failure(failed)
-                phase = res.phase
-                if res.wipeout:
-                    queue.put(("wipeout", g, {"step": step, "failed": failed, "types": list(res.wiped_types)}))
-                    grp.shutdown()
-                    return
-            orders, s = ctl.orders, ctl.stack
-            counted_by = ctl.assign.copy()   # type -> the group whose copy is summed in this step
-            alive = ctl.alive.copy()
-            computed = {int(h): set(orders[h, :s].tolist()) for h in np.flatnonzero(alive)}
-            # own = [sum of counted shard gradients..., sum of their losses]: one all-reduce gives both
-            own = torch.zeros(sum(p.numel() for p in model.parameters()) + 1)
-            spare_copies: dict[int, torch.Tensor] = {}
-            for t in (orders[g, :s].tolist() if alive[g] else []):
-                grad, loss = _shard_grad(model, data, cfg, step, t)
-                item = torch.cat([grad, torch.tensor([loss])])
-                if counted_by[t] == g:
-                    own += item
-                else:
-                    spare_copies[t] = item  # redundant copy: counted only if its assignee dies in this step
-            if kills.get(step) == "compute":
-                die(step, "compute")
-            log = _StepLog(step, s, len(computed.get(g, ())), failed=tuple(failed), phase=phase)
-            healed = False
-            while True:
-                buf = own.clone()
-                grp.allreduce_sum(buf)
-                if grp.commit():
-                    break
-                # a peer died during this step: shrink, reorder, and finish the same step
-                grp.begin_step()
-                if grp.step != step:
-                    healed = True
-                    break
-                live = grp.members()
-                dead = sorted(int(h) for h in np.flatnonzero(alive) if live and h not in live)
-                if not dead:
-                    continue
-                res = ctl.on_failure(dead)
-                log.failed += tuple(dead)
-                log.phase = res.phase
-                if res.wipeout:
-                    queue.put(("wipeout", g, {"step": step, "failed": dead, "types": list(res.wiped_types)}))
-                    grp.shutdown()
-                    return
-                alive[dead] = False
-                for h in dead:
-                    computed.pop(h, None)
-                load: dict[int, int] = {}
-                for t in np.flatnonzero(np.isin(counted_by, dead)).tolist():
-                    holders = [h for h in computed if t in computed[h]]
-                    if holders:  # a survivor computed a redundant copy in its first s stacks: count it
-                        counted_by[t] = min(holders)
-                        if counted_by[t] == g:
-                            own = own + spare_copies.pop(t)
-                        continue
-                    # nobody computed it: patch compute on the host the controller names (first failure of
-                    # the step) or, after a second one, on the least-loaded surviving host
-                    host = res.patches.get(t)
-                    if host is None or not alive[host]:
-                        host = min((int(h) for h in placement.hosts[t] if alive[h]), key=lambda h: (load.get(h, 0), h))
-                    load[host] = load.get(host, 0) + 1
-                    counted_by[t] = host
-                    computed[host].add(t)
-                    if host == g:
-                        grad, loss = _shard_grad(model, data, cfg, step, t)
-                        own += torch.cat([grad, torch.tensor([loss])])
-                        log.patches += 1
-                        log.computed += 1
-            if healed:  # the retry quorum healed us into the next step: use that quorum
-                need_quorum = False
-                continue
-            _apply(model, opt, buf[:-1], n)
-            log.loss = float(buf[-1]) / n
-            queue.put(("step", g, asdict(log)))
-            done = grp.step
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-                if g == int(np.flatnonzero(ctl.alive)[0]):
-                    _save_checkpoint(ckpt, done, model, opt, ctl)
+        kills = [KillPoint(k.step, k.when) for k in cfg.kills if k.group == g and k.step >= trainer.step_idx]
+        if kills:
+            trainer.callbacks.append(FailStop(kills, on_kill=report_kill))
+        try:  # every group is heartbeating before step 0 (the launcher breaks the barrier if one died)
+            barrier.wait(timeout=300)
+        except threading.BrokenBarrierError:
+            pass
+        trainer.run()
         blob = io.BytesIO()  # by value: a tensor sent through the queue would live in this dying process
-        torch.save(model.state_dict(), blob)
-        queue.put(("done", g, {"state": blob.getvalue(), "stack": ctl.stack}))
-        grp.shutdown()
+        torch.save(trainer.model.state_dict(), blob)
+        queue.put(("done", g, {"state": blob.getvalue(), "stack": trainer.strategy.policy.ctl.stack}))
+    except SpareWipeout as w:
+        queue.put(("wipeout", g, {"step": w.step, "failed": w.failed, "types": w.types}))
     except Exception as e:  # report, then die like any failed group (the others carry on)
         queue.put(("error", g, {"message": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}))
         raise
-
-
-def _heal(sd: dict, model, opt, ctl: ReCtlr, placement) -> None:
-    """torchft live recovery: a group that missed a commit takes a healthy peer's state."""
-    model.load_state_dict(sd["model"])
-    opt.load_state_dict(sd["optim"])
-    sp = sd["spare"]
-    fresh = ReCtlr.from_state(placement, sp["orders"], sp["stack"], sp["alive"])
-    ctl.__dict__.update(fresh.__dict__)
+    finally:
+        if trainer is not None:
+            trainer.close()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -344,7 +367,7 @@ def _heal(sd: dict, model, opt, ctl: ReCtlr, placement) -> None:
 class SpareRunResult:
     state: dict[str, torch.Tensor]         # final parameters (from the lowest surviving group)
     steps: int
-    killed: list[dict]                     # kills that happened: {"group", "step", "when"}
+    killed: list[dict]                     # --kill kills that happened: {"group", "step", "when"}
     global_restarts: int
     patch_computes: int
     mean_stacks_per_step: float            # mean all-reduce stack over committed steps
@@ -353,23 +376,43 @@ class SpareRunResult:
     step_logs: list[dict]
     wall_s: float
     errors: list[str] = field(default_factory=list)
+    # every group that died: {"group", "step" (the first it did not commit), "cause" (kill: --kill, signal: from
+    # outside, crash: an exception or an exit code), "detail", "restart" (which launch), "pid"}
+    deaths: list[dict] = field(default_factory=list)
+    survivors_agree: bool = True           # every surviving group ended with bitwise the same parameters
 
     def summary(self) -> dict[str, Any]:
         return {
-            "steps": self.steps, "killed_groups": len(self.killed), "kills": self.killed,
+            "steps": self.steps, "killed_groups": len(self.killed), "kills": self.killed, "deaths": self.deaths,
             "global_restarts": self.global_restarts, "patch_computes": self.patch_computes,
             "mean_stacks_per_step": self.mean_stacks_per_step, "final_loss": self.final_loss,
-            "survivors": self.survivors, "wall_s": self.wall_s, "errors": self.errors,
+            "survivors": self.survivors, "survivors_agree": self.survivors_agree, "wall_s": self.wall_s,
+            "errors": self.errors,
         }
 
 
-def run_spare(cfg: SpareRunConfig, progress=None) -> SpareRunResult:
+def _holds_checkpoint(run_dir: Path) -> bool:
+    return (run_dir / "checkpoint.pt").exists() or CheckpointManager(run_dir / "checkpoints").latest() is not None
+
+
+def _death_cause(exitcode: int | None) -> tuple[str, str]:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return "signal", f"{name} from outside"
+    return "crash", f"exit code {exitcode}"
+
+
+def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | None = None) -> SpareRunResult:
     """Run ``cfg.groups`` processes under a fresh torchft lighthouse; restart globally on a wipe-out.
 
-    ``progress(event, group, info)`` is called for every report (``step``, ``killed``, ``wipeout``, ...)."""
-    import multiprocessing as mp
+    ``progress(event, group, info)`` is called for every report: ``started`` (``pid``), ``step``, ``killed``,
+    ``wipeout``, ``died`` (a death nobody announced: an outside signal or a crash), ``error``, ``done``."""
+    import torch.multiprocessing as mp
 
-    from trainguard.failover.elastic import quiet_torchft_logs, start_lighthouse
+    from trainguard.train.parallel.torchft_group import quiet_torchft_logs, start_lighthouse
 
     cfg.validate()
     quiet_torchft_logs()
@@ -378,97 +421,146 @@ def run_spare(cfg: SpareRunConfig, progress=None) -> SpareRunResult:
     if not cfg.run_dir:
         tmp = tempfile.TemporaryDirectory(prefix="trainguard-spare-")
         cfg = SpareRunConfig(**{**cfg.__dict__, "run_dir": tmp.name})
-    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    ckpt = Path(cfg.run_dir) / "checkpoint.pt"
-    if ckpt.exists():
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if _holds_checkpoint(run_dir):
         raise TrainguardError(f"spare run: {cfg.run_dir} already holds a checkpoint; use an empty run directory")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(cfg.start_method)
+    if cfg.start_method == "forkserver":  # the server imports torch once; each group then starts in a fraction of a second
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "torchft", "trainguard.train.trainer",
+                                    "trainguard.failover.spare.runtime"])
+    batches = _batches(cfg)  # the corpus is read once, here, and shared with every group
+    running = RunningGroups(progress)
+    emit = running
+    killer = None
+    if cfg.random_kills:  # each at a random moment once the run committed a step since the previous kill
+        lo, hi = cfg.random_kill_gap_s
+        mark = [-1]
+        killer = ExternalKiller(running.pids, cfg.random_kills, lo, hi, cfg.random_kill_seed,
+                                ready=lambda: running.steps_seen > mark[0],
+                                on_kill=lambda k: mark.__setitem__(0, running.steps_seen)).start()
     killed: list[dict] = []
+    deaths: list[dict] = []
     restarts = 0
     errors: list[str] = []
     step_logs: dict[int, dict] = {}
     done: dict[int, dict] = {}
     pending = list(cfg.kills)
-    resume: str | None = None
+    resume = False
+    start_step = 0
     try:
         while True:
             run_cfg = SpareRunConfig(**{**cfg.__dict__, "kills": tuple(pending)})
-            lh = start_lighthouse()
+            lh = start_lighthouse(heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
             barrier, queue = ctx.Barrier(cfg.groups), ctx.Queue()
-            procs = [ctx.Process(target=_group_main, args=(g, run_cfg, lh.address(), resume, barrier, queue),
+            procs = [ctx.Process(target=_group_main, args=(g, run_cfg, lh.address(), resume, barrier, queue, batches),
                                  daemon=True) for g in range(cfg.groups)]
-            for p in procs:
+            for g, p in enumerate(procs):
                 p.start()
+                emit("started", g, {"pid": p.pid})
             wiped = None
-            reported: set[int] = set()
+            finished: dict[int, str] = {}  # group -> how its process ended (done, wipeout, killed, error, died)
+            last_step = {g: start_step - 1 for g in range(cfg.groups)}
+            dead_since: dict[int, float] = {}
             last_news = time.monotonic()
-            # no report from any group for this long means the survivors are stuck: stop, do not hang
-            patience = 3 * cfg.timeout_s + 60
+            patience = 3 * cfg.timeout_s + 60  # no report for this long: the survivors are stuck, stop
             try:
-                while len(reported) < cfg.groups:
+                while len(finished) < cfg.groups:
                     try:
-                        kind, g, info = queue.get(timeout=1.0)
+                        kind, g, info = queue.get(timeout=0.5)
                         last_news = time.monotonic()
                     except queue_mod.Empty:
                         if time.monotonic() - last_news > patience:
-                            raise TrainguardError(f"spare run: no group reported for {patience:.0f} s "
-                                                  f"(groups still running: {sorted(set(range(cfg.groups)) - reported)})") from None
-                        for gi, p in enumerate(procs):  # a group that died without a word is a failure too
-                            if gi not in reported and not p.is_alive():
-                                reported.add(gi)
-                                if p.exitcode not in (0, -signal.SIGKILL):
-                                    errors.append(f"group {gi} exited with code {p.exitcode}")
+                            raise TrainguardError(f"spare run: no group reported for {patience:.0f} s (groups still "
+                                                  f"running: {sorted(set(range(cfg.groups)) - set(finished))})") from None
+                        for gi, p in enumerate(procs):  # a death nobody announced: an outside signal or a crash
+                            if gi in finished or p.is_alive():
+                                continue
+                            if time.monotonic() - dead_since.setdefault(gi, time.monotonic()) > 1.0:  # its last words are in
+                                finished[gi] = "died"
+                                barrier.abort()
+                                cause, detail = _death_cause(p.exitcode)
+                                death = {"group": gi, "step": last_step[gi] + 1, "cause": cause, "detail": detail,
+                                         "restart": restarts, "pid": p.pid}
+                                deaths.append(death)
+                                emit("died", gi, death)
                         continue
-                    if progress is not None:
-                        progress(kind, g, info)
+                    emit(kind, g, info)
                     if kind == "step":
+                        last_step[g] = info["step"]
                         agg = step_logs.setdefault(info["step"], {"step": info["step"], "stack": info["stack"],
                                                                   "patches": 0, "failed": [], "phase": "",
-                                                                  "loss": info["loss"], "groups": 0})
+                                                                  "loss": info["loss"], "groups": 0, "recovery_s": []})
                         agg["patches"] += info["patches"]
                         agg["failed"] = sorted(set(agg["failed"]) | set(info["failed"]))
                         agg["phase"] = agg["phase"] or info["phase"]
+                        agg["recovery_s"] = agg["recovery_s"] or info["recovery_s"]
                         agg["groups"] += 1
                     elif kind == "killed":
                         killed.append({"group": g, **info})
+                        deaths.append({"group": g, "step": info["step"], "cause": "kill",
+                                       "detail": f"--kill {g}@{info['step']}:{info['when']}", "restart": restarts,
+                                       "pid": procs[g].pid})
                         pending = [k for k in pending if not (k.group == g and k.step == info["step"])]
-                        reported.add(g)
+                        finished[g] = "killed"
+                        barrier.abort()
                     elif kind == "wipeout":
                         wiped = info
-                        reported.add(g)
+                        finished[g] = "wipeout"
                     elif kind == "done":
                         done[g] = info
-                        reported.add(g)
+                        finished[g] = "done"
                     elif kind == "error":
                         errors.append(f"group {g}: {info['message']}")
-                        reported.add(g)
+                        deaths.append({"group": g, "step": last_step[g] + 1, "cause": "crash",
+                                       "detail": info["message"], "restart": restarts, "pid": procs[g].pid})
+                        finished[g] = "error"
+                        barrier.abort()
             finally:
                 for p in procs:
                     p.join(timeout=10)
                     if p.is_alive():
                         p.kill()
+                        p.join(timeout=5)
                 lh.shutdown()
-            if wiped is None:
+            if wiped is None and done:
                 break
+            crashed = [d for d in deaths if d["restart"] == restarts and d["cause"] == "crash"]
+            if wiped is None and len(crashed) == cfg.groups:  # a crash loop, not a failure to ride out
+                raise TrainguardError("spare run: every group crashed: " + "; ".join(errors or [d["detail"] for d in crashed]))
+            if wiped is None:  # every group died without a wipe-out report: restart them all as well
+                wiped = {"step": max(last_step.values()) + 1, "failed": sorted(finished), "types": []}
             restarts += 1
             if restarts > cfg.max_restarts:
                 raise TrainguardError(f"spare run: {restarts} global restarts, more than max_restarts={cfg.max_restarts}")
-            resume = str(ckpt) if ckpt.exists() else None
-            # steps after the checkpoint are re-run: forget their logs
-            first = torch.load(ckpt, weights_only=False)["step"] if resume else 0
-            step_logs = {k: v for k, v in step_logs.items() if k < first}
+            found = CheckpointManager(run_dir / "checkpoints").checkpoints()
+            resume = bool(found)
+            start_step = found[-1][0] if found else 0
+            step_logs = {k: v for k, v in step_logs.items() if k < start_step}  # steps after the checkpoint are re-run
             done = {}
-        if not done:
-            raise TrainguardError("spare run: no group finished: " + ("; ".join(errors) or "all were killed"))
         first = min(done)
+        states = {g: torch.load(io.BytesIO(d["state"])) for g, d in done.items()}
+        agree = all(all(torch.equal(states[g][k], states[first][k]) for k in states[first]) for g in states)
         logs = [step_logs[k] for k in sorted(step_logs)]
         patches = sum(lg["patches"] for lg in logs)
         return SpareRunResult(
-            state=torch.load(io.BytesIO(done[first]["state"])), steps=cfg.steps, killed=killed, global_restarts=restarts,
-            patch_computes=patches,
+            state=states[first], steps=cfg.steps, killed=killed, global_restarts=restarts, patch_computes=patches,
             mean_stacks_per_step=float(np.mean([lg["stack"] for lg in logs])) if logs else math.nan,
             final_loss=logs[-1]["loss"] if logs else math.nan, survivors=sorted(done), step_logs=logs,
-            wall_s=time.perf_counter() - t0, errors=errors)
+            wall_s=time.perf_counter() - t0, errors=errors, deaths=deaths, survivors_agree=agree)
     finally:
+        if killer is not None:
+            killer.stop()
         if tmp is not None:
             tmp.cleanup()
+
+
+def max_param_diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two parameter sets (inf if their keys or shapes differ)."""
+    if state.keys() != ref.keys() or any(state[k].shape != ref[k].shape for k in ref):
+        return math.inf
+    return max((float((state[k].float() - ref[k].float()).abs().max()) for k in ref), default=0.0)
+
+
+__all__ = ["KILL_WHEN", "Kill", "SparePolicy", "SpareRunConfig", "SpareRunResult", "SpareWipeout", "max_param_diff",
+           "reference_run", "run_spare", "trainer_config"]

@@ -24,7 +24,8 @@ class DMRConfig:
         "determinism report")
     fingerprints: bool = setting(True, help="compare compact fingerprints for deferred and piggyback checks (less memory)")
     memory_budget_mb: float = setting(0.0, help="memory the deferred checks may hold (0: 25% of the measured peak)")
-    optimizer_chunk_mb: float = setting(64.0, help="the optimizer update is verified in chunks of this many MB of state")
+    optimizer_chunk_mb: float = setting(0.25, help="update-stage ops (fused AdamW, clipping) are verified in pieces of "
+                                        "this many MB of each tensor list (cache-sized: the copies stay in cache)")
     plan: str = setting("", help="a DMR plan JSON (trainguard plan dmr --out); empty: profile and plan at the start")
     profile_steps: int = setting(1, help="steps profiled before planning (they run with naive DMR)")
     determinism_report: str = setting("", help="tolerance mode: a determinism report JSON (from a clean run)")

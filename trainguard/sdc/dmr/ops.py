@@ -29,11 +29,35 @@ _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 _VIEW_LIKE = ("aten._unsafe_view", "aten.alias", "aten.lift_fresh")
 
 
+@dataclass(frozen=True)
+class OpInfo:
+    """What DMR needs to know about an op overload, computed once per overload (the hot path reads it)."""
+
+    name: str
+    kind: str  # compute | view | comm | alloc
+    random: bool  # draws random numbers (seeded tag or a generator argument)
+    written: tuple[tuple[int, str], ...]  # (position, name) of the arguments it writes
+
+
+_INFO: dict[Any, OpInfo] = {}
+
+
+def info(func) -> OpInfo:
+    got = _INFO.get(func)
+    if got is None:
+        args = func._schema.arguments
+        written = tuple((i, a.name) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+        rnd = is_random(func) or any(a.name == "generator" for a in args)
+        got = _INFO[func] = OpInfo(str(func), classify(func), rnd, written)
+    return got
+
+
 def classify(func) -> str:
     name = str(func)
     if name.startswith(("c10d.", "_c10d_functional.", "c10d_functional.", "_dtensor.")):
         return "comm"
-    if name.startswith("profiler.") or ".empty" in name or name.startswith(("aten.empty", "aten.new_empty")):
+    parts = name.split(".")
+    if parts[0] == "profiler" or (len(parts) > 1 and "empty" in parts[1]):
         return "alloc"
     if getattr(func, "is_view", False) or name.startswith(_VIEW_LIKE) or name in ("aten.detach.default",):
         return "view"
@@ -46,14 +70,17 @@ def is_random(func) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
 
 
-def written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an in-place / out= op writes (its mutable arguments), flattened."""
+def written_args(func, args: tuple, kwargs: dict, skip: tuple = ()) -> list[torch.Tensor]:
+    """The tensors an in-place / out= op writes (its mutable arguments, but those named in ``skip``)."""
     out: list[torch.Tensor] = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
+    for i, name in info(func).written:
+        if name in skip:
             continue
-        value = kwargs.get(a.name, args[i] if i < len(args) else None)
-        out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        value = kwargs.get(name, args[i] if i < len(args) else None)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif value is not None:
+            out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
     return out
 
 
@@ -66,6 +93,12 @@ def flat(value: Any) -> list[Any]:
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):  # the common cases, without a pytree walk
+        return [value]
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    if value is None:
+        return []
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -82,6 +115,11 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 
 def bitwise_equal(a: Any, b: Any) -> bool:
     """Outputs of two executions are bitwise identical (pytrees of tensors; non-tensors compared with ==)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(int_view(a), int_view(b))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b) and all(
+            isinstance(x, torch.Tensor) for x in (*a, *b)):
+        return all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(int_view(x), int_view(y)) for x, y in zip(a, b))
     fa, spec_a = tree_flatten(a)
     fb, spec_b = tree_flatten(b)
     if spec_a != spec_b or len(fa) != len(fb):
@@ -99,48 +137,60 @@ def bitwise_equal(a: Any, b: Any) -> bool:
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """A few numbers per output tensor: exact integer sums (bitwise mode) and float sums (tolerance mode)."""
+    """Per output tensor: shape and dtype, two exact integer sums (all elements; every 7th) and, for the
+    tolerance mode, the float64 sum and sum of |x|. The sums stay on the device until compared."""
 
     shapes: tuple
-    isum: tuple  # sum of the integer view, per tensor
-    istride: tuple  # sum over every 7th element of the integer view, per tensor
-    fsum: tuple  # float64 sum, per tensor (tolerance mode)
-    fabs: tuple  # float64 sum of |x|, per tensor (the scale of the tolerance)
+    sums: torch.Tensor | None  # int64, two per tensor
+    floats: torch.Tensor | None = None  # float64, (sum, sum |x|) per tensor
 
     @classmethod
     def of(cls, value: Any, floats: bool = False) -> Fingerprint:
         """``floats``: also the float sums a tolerance comparison needs (one more pass in float64)."""
-        shapes, isum, istride, fsum, fabs = [], [], [], [], []
-        for t in tensors(value):
+        ts = value if isinstance(value, torch.Tensor) else None
+        ts = [ts] if ts is not None else tensors(value)
+        if not ts:
+            return cls((), None)
+        shapes = tuple((tuple(t.shape), t.dtype) for t in ts)
+        parts = []
+        for t in ts:
             v = int_view(t).reshape(-1)
-            shapes.append((tuple(t.shape), str(t.dtype)))
-            isum.append(int(v.sum(dtype=torch.int64)))
-            istride.append(int(v[::7].sum(dtype=torch.int64)))
-            if not floats:
-                continue
-            if t.is_floating_point():
+            parts += [v.sum(dtype=torch.int64), v[::7].sum(dtype=torch.int64)]
+        fl = None
+        if floats:
+            fp = []
+            for t in ts:
                 d = t.detach().double()
-                fsum.append(float(d.sum()))
-                fabs.append(float(d.abs().sum()))
-            else:
-                fsum.append(float(isum[-1]))
-                fabs.append(float(abs(isum[-1])))
-        return cls(tuple(shapes), tuple(isum), tuple(istride), tuple(fsum), tuple(fabs))
+                fp += [d.sum(), d.abs().sum()]
+            fl = torch.stack(fp)
+        return cls(shapes, torch.stack(parts), fl)
 
     def matches(self, other: Fingerprint, rtol: float = 0.0) -> bool:
         if self.shapes != other.shapes:
             return False
-        if rtol <= 0 or not self.fsum:
-            return self.isum == other.isum and self.istride == other.istride
-        for a, b, scale in zip(self.fsum, other.fsum, self.fabs):
-            if a != a or b != b:  # NaN: only NaN-free executions can agree within a tolerance
-                return False
-            if abs(a - b) > rtol * max(scale, 1e-30):
-                return False
-        return True
+        if self.sums is None:
+            return other.sums is None
+        if rtol <= 0 or self.floats is None or other.floats is None:
+            return torch.equal(self.sums, other.sums)
+        a, b = self.floats.view(-1, 2), other.floats.view(-1, 2)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            return False  # only finite executions can agree within a tolerance
+        return bool(((a[:, 0] - b[:, 0]).abs() <= rtol * a[:, 1].clamp_min(1e-30)).all())
+
+    def gap(self, other: Fingerprint) -> float:
+        """Largest relative difference of the float sums (0 when bitwise equal, inf when shapes or integer
+        outputs differ): what a determinism report records."""
+        if self.shapes != other.shapes:
+            return float("inf")
+        if self.sums is not None and torch.equal(self.sums, other.sums):
+            return 0.0
+        if self.floats is None or other.floats is None:
+            return float("inf")
+        a, b = self.floats.view(-1, 2), other.floats.view(-1, 2)
+        return float(((a[:, 0] - b[:, 0]).abs() / a[:, 1].clamp_min(1e-30)).max())
 
     def nbytes(self) -> int:
-        return 40 * len(self.shapes)
+        return 16 * len(self.shapes)
 
 
 def relative_gap(a: Any, b: Any) -> float:

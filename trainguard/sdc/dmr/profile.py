@@ -40,6 +40,9 @@ class OpRecord:
     dynamic: bool = False  # data dependent (MoE experts): planned at run time
     microbatch: int = 0
     grad_of: str | None = None  # for B / W ops: the forward op they differentiate, when known
+    # Added for the planners (optional; defaults keep older profiles valid):
+    param_bytes: int = 0  # bytes of in_bytes that are parameters (kept alive anyway: not retained by deferral)
+    recompute_of: str | None = None  # for recompute ops: the forward op they re-execute, when known
 
 
 @dataclass

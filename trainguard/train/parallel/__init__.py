@@ -9,7 +9,8 @@ from trainguard.train.parallel.ddp import DDPStrategy
 
 
 def build_strategy(cfg) -> Strategy:
-    """The strategy ``cfg.distributed`` asks for (``strategy = auto``: from dp, pp and the launcher)."""
+    """The strategy ``cfg.distributed`` asks for (``strategy = auto``: from dp, pp, ep and the launcher).
+    (Pipelining, expert parallelism and torchft are imported only by the runs that use them.)"""
     d = cfg.distributed
     name = d.resolved_strategy()
     if name == "single":
@@ -20,6 +21,10 @@ def build_strategy(cfg) -> Strategy:
         from trainguard.train.parallel.pipeline import PipelineStrategy
 
         return PipelineStrategy()
+    if name == "expert":
+        from trainguard.train.parallel.expert import ExpertParallelStrategy
+
+        return ExpertParallelStrategy()
     if name == "elastic":
         from trainguard.train.parallel.elastic import ElasticStrategy
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +87,20 @@ class Strategy:
     def __init__(self) -> None:
         self.rank, self.world = 0, 1
         self.owns_group = False
+        self.window_hooks: list[Callable[[str, Callable[[], Any]], Any]] = []
+
+    def add_window_hook(self, hook: Callable[[str, Callable[[], Any]], Any]) -> Callable[[], None]:
+        """``hook(kind, wait)`` is called for every wait on communication the strategy can expose (pipeline
+        transfers: ``pp``; expert all-to-all: ``ep``); it must call ``wait()`` and may work meanwhile."""
+        self.window_hooks.append(hook)
+        return lambda: self.window_hooks.remove(hook) if hook in self.window_hooks else None
+
+    def run_window(self, kind: str, wait: Callable[[], Any]) -> Any:
+        """Wait on communication through every window hook (nested, in registration order)."""
+        call = wait
+        for hook in reversed(self.window_hooks):
+            call = (lambda h, inner: (lambda: h(kind, inner)))(hook, call)
+        return call()
 
     # ---- set-up ---------------------------------------------------------------------------------
     def init(self, trainer: Trainer) -> None:
@@ -173,6 +188,27 @@ class Strategy:
     def gather_object(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` on the main rank (None elsewhere): per-rank state for a checkpoint."""
         return [obj]
+
+    def spans_default_group(self) -> bool:
+        return self.world > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == self.world
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """The main rank's ``obj`` on every rank (run-level decisions: which checkpoint a run resumes). A
+        strategy whose ranks decide on their own returns ``obj`` unchanged (None on the other ranks)."""
+        if not self.spans_default_group():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def any_rank(self, trainer: Trainer, flag: bool) -> bool:
+        """Whether ``flag`` is true on some rank, on every rank (a SIGTERM seen by one rank stops them all
+        after the same step). A collective on every rank when the default group spans the run."""
+        if not self.spans_default_group():
+            return bool(flag)
+        t = torch.tensor([int(bool(flag))], dtype=torch.int64, device=trainer.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(int(t))
 
     def writes_checkpoints(self) -> bool:
         """Whether this rank takes part in a checkpoint save (all ranks of a DCP group do)."""

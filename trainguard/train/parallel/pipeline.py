@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import PipelineStage
 
 from trainguard.errors import ConfigError
 from trainguard.models import lm_loss
@@ -42,6 +42,7 @@ from trainguard.train.parallel.base import (
     init_default_group,
     reduce_verdicts_over,
 )
+from trainguard.train.parallel.schedule import WindowedSchedule1F1B
 
 if TYPE_CHECKING:
     from trainguard.train.trainer import Trainer
@@ -108,7 +109,7 @@ class PipelineStrategy(Strategy):
         self.dp = self.pp = 1
         self.stage = self.replica = 0
         self.pp_group = self.dp_group = None
-        self.schedule: Schedule1F1B | None = None
+        self.schedule: WindowedSchedule1F1B | None = None
         self.n_micro = 0
         self._losses: list[torch.Tensor] = []
 
@@ -146,8 +147,11 @@ class PipelineStrategy(Strategy):
                    if self.is_last else hidden)
         stage = PipelineStage(_StageModule(trainer), self.stage, self.pp, trainer.device, input_args=inputs,
                               output_args=outputs, group=self.pp_group)
-        # the loss function runs on the last stage only; every rank passes one so the schedule plans backward
-        self.schedule = Schedule1F1B(stage, self.n_micro, loss_fn=self._loss, scale_grads=False)
+        # the loss function runs on the last stage only; every rank passes one so the schedule plans backward.
+        # Every wait on a transfer goes through the strategy's window hooks (deferred DMR checks run there).
+        self.schedule = WindowedSchedule1F1B(stage, self.n_micro, loss_fn=self._loss, scale_grads=False,
+                                             on_wait=self.run_window,
+                                             link_delay_s=cfg.distributed.emulate_link_delay_ms / 1000.0)
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, target)

@@ -1,0 +1,92 @@
+"""``trainguard plan dmr``: --json output, the written plan and figure, and one-line errors for bad input."""
+
+import importlib.util
+import json
+
+import pytest
+from _dmr_profiles import synthetic_profile
+
+from trainguard.cli.main import main
+from trainguard.sdc.dmr.plan import Plan, coverage_report
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dmr") / "profile.json"
+    synthetic_profile(stages=2, stage=1, microbatches=3, headroom=1.5).save(path)
+    return path
+
+
+def _run(capsys, *argv):
+    rc = main(["plan", "dmr", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_json_plan_and_figure(tmp_path, capsys, profile_path):
+    rc, out, err = _run(capsys, "--profile", str(profile_path), "--out", str(tmp_path / "plan.json"),
+                        "--figure", str(tmp_path / "timeline.png"), "--json")
+    assert rc == 0
+    d = json.loads(out.strip().splitlines()[-1])
+    s = d["summary"]
+    assert s["coverage"] == 1.0 and d["phases"] == [1, 2, 3]
+    assert s["checker_critical_s"] < d["baselines"]["naive-only"]["checker_critical_s"]
+    assert d["baselines"]["no-dmr"]["coverage"] == 0
+    assert s["peak_with_deferral_bytes"] <= s["memory_budget_bytes"]
+    plan = Plan.load(d["plan"])
+    from trainguard.sdc.dmr.planner import read_profile
+
+    assert coverage_report(plan, read_profile(profile_path)).fraction == 1.0
+    assert open(d["figure"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "trainguard plan dmr" in err  # the table goes to stderr with --json
+
+
+def test_phases_and_budget_flags(capsys, profile_path):
+    crit = []
+    for phases in ("1", "1,2", "1,2,3"):
+        rc, out, _ = _run(capsys, "--profile", str(profile_path), "--phases", phases, "--out", "", "--figure", "", "--json")
+        assert rc == 0
+        d = json.loads(out.strip().splitlines()[-1])
+        assert d["plan"] is None and d["figure"] is None
+        crit.append(d["summary"]["checker_critical_s"])
+    assert crit[0] >= crit[1] >= crit[2] and crit[0] > crit[2]
+    rc, out, _ = _run(capsys, "--profile", str(profile_path), "--memory-budget", "0", "--out", "", "--figure", "", "--json")
+    s = json.loads(out.strip().splitlines()[-1])["summary"]
+    assert rc == 0 and s["memory_budget_bytes"] == 0 and s["checker_hidden_s"] == 0
+    rc, out, _ = _run(capsys, "--profile", str(profile_path), "--memory-budget", "1GiB", "--out", "", "--figure", "", "--json")
+    assert json.loads(out.strip().splitlines()[-1])["summary"]["memory_budget_bytes"] == 2**30
+
+
+def test_human_output(capsys, profile_path):
+    rc, out, _ = _run(capsys, "--profile", str(profile_path), "--out", "", "--figure", "")
+    assert rc == 0 and "coverage" in out and "100.0%" in out and "strategies" in out
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--profile", "{missing}"], "profile not found"),
+    (["--profile", "{malformed}"], "not valid JSON"),
+    (["--profile", "{wrong_schema}"], "does not match the profile schema"),
+    (["--profile", "{good}", "--phases", "2"], "--phases must be 1, 1,2 or 1,2,3"),
+    (["--profile", "{good}", "--phases", "1,2,3,4"], "--phases must be"),
+    (["--profile", "{good}", "--memory-budget", "lots"], "--memory-budget must be"),
+    (["--profile", "{good}", "--model", "llama-tiny"], "either --profile or --model"),
+    ([], "pass --profile"),
+    (["--profile", "{good}", "--figure", "{good}.gif"], "--figure must end in"),
+    (["--profile", "{good}", "--out", "{good}/plan.json"], "cannot write"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, profile_path, argv, msg):
+    (tmp_path / "malformed.json").write_text('{"ops": [')
+    (tmp_path / "wrong.json").write_text(json.dumps({"ops": [{"id": "a"}]}))
+    paths = {"missing": str(tmp_path / "nope.json"), "malformed": str(tmp_path / "malformed.json"),
+             "wrong_schema": str(tmp_path / "wrong.json"), "good": str(profile_path)}
+    rc, out, err = _run(capsys, "--out", "", "--figure", "", *[a.format(**paths) for a in argv])
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainguard: error:") and msg in lines[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trainguard.sdc.dmr.profiler") is not None,
+                    reason="the DMR profiler exists: --model profiles for real")
+def test_model_without_the_profiler_is_refused(capsys):
+    rc, out, err = _run(capsys, "--model", "llama-tiny", "--out", "", "--figure", "")
+    assert rc == 2 and "pass --profile" in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,259 @@
+"""The static planner on synthetic iterations: phase ablations, complete single coverage, the memory budget,
+windows, MoE, baselines, profile checks, and the plan's JSON round trip."""
+
+import json
+from bisect import bisect_right
+
+import pytest
+from _dmr_profiles import Builder, fig10_profile, synthetic_profile
+
+from trainguard.errors import ConfigError, TrainguardError
+from trainguard.sdc.dmr import best_fit
+from trainguard.sdc.dmr.plan import CHECKED, CoverageError, Plan, coverage_report
+from trainguard.sdc.dmr.planner import PlannerConfig, naive_only, no_dmr, parse_phases, plan_static, read_profile, retained_bytes
+
+PROFILES = {
+    "dense": dict(blocks=2, microbatches=2),
+    "dense-selective-ac": dict(ac="selective", blocks=2, microbatches=2),
+    "pp2-stage0": dict(stages=2, stage=0, microbatches=4, headroom=1.5),
+    "pp2-stage1": dict(stages=2, stage=1, microbatches=4, headroom=1.5),
+    "pp4-no-ac": dict(ac="none", blocks=3, microbatches=6, stages=4, stage=1, headroom=1.0),
+    "moe": dict(moe=True, blocks=2, microbatches=2),
+    "moe-pp2": dict(moe=True, stages=2, stage=0, microbatches=3, headroom=2.0),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PROFILES))
+def case(request):
+    profile = synthetic_profile(**PROFILES[request.param])
+    plans = {ph: plan_static(profile, PlannerConfig(phases=ph)) for ph in ((1,), (1, 2), (1, 2, 3))}
+    return request.param, profile, plans
+
+
+def test_each_added_phase_never_increases_critical_checker_time(case):
+    name, profile, plans = case
+    crit = [plans[ph].summary["checker_critical_s"] for ph in ((1,), (1, 2), (1, 2, 3))]
+    assert crit[0] >= crit[1] >= crit[2], (name, crit)
+    assert crit[0] <= naive_only(profile).summary["checker_critical_s"]
+
+
+def test_every_op_has_exactly_one_strategy(case):
+    name, profile, plans = case
+    for plan in plans.values():
+        report = coverage_report(plan, profile)
+        assert report.fraction == 1.0 and report.covered == report.total
+        ops = {o.id: o for o in profile.ops}
+        assert set(plan.ops) == set(ops)
+        for k, p in plan.ops.items():
+            assert (p.strategy == "comm") == (ops[k].kind == "C")
+            assert p.strategy in CHECKED + ("comm",)
+        # a deferred op is listed in exactly its window, an AGC op in exactly its segment
+        listed = [k for w in plan.windows for k in w.ops] + [k for a in plan.agc_segments for k in a.ops]
+        assert len(listed) == len(set(listed))
+        assert set(listed) == {k for k, p in plan.ops.items() if p.strategy in ("d-inter", "d-intra", "agc")}
+
+
+def test_phases_do_what_they_say(case):
+    name, profile, plans = case
+    used = {ph: {p.strategy for p in plans[ph].ops.values()} for ph in plans}
+    assert not used[(1,)] & {"agc", "d-inter", "d-intra", "dynamic"}
+    assert not used[(1, 2)] & {"d-inter", "d-intra", "dynamic"}
+    has_ac = any(o.ac_segment for o in profile.ops)
+    assert ("p-dmr" in used[(1,)]) == has_ac
+    if any(o.dynamic for o in profile.ops):
+        assert "dynamic" in used[(1, 2, 3)]
+    assert [s.ac_segment for s in plans[(1,)].pdmr_segments] == [s.ac_segment for s in plans[(1, 2, 3)].pdmr_segments]
+
+
+def _memory_with_deferral(profile, plan):
+    """Independent of the planner: the profile's curve (flat at its peak for MoE) plus each deferred op's
+    bytes from its start to its window's end and each AGC segment's bytes from its first op to its window's end."""
+    moe = any(o.dynamic for o in profile.ops)
+    pts = sorted(profile.memory_curve)
+    peak = max([profile.peak_bytes] + [b for _, b in pts])
+    ends = {w.id: w.start_s + w.duration_s for w in profile.windows}
+    intervals = [(p.start_s, ends[p.window], p.retained_bytes) for p in plan.ops.values()
+                 if p.strategy in ("d-inter", "d-intra")]
+    intervals += [(a.retained_from_s, ends[a.window], a.memory_bytes) for a in plan.agc_segments]
+    times = sorted({t for t, _ in pts} | {s for s, _, _ in intervals} | {0.0})
+
+    def base(t):
+        return peak if moe else pts[max(bisect_right([x for x, _ in pts], t) - 1, 0)][1]
+
+    return max(base(t) + sum(b for s, e, b in intervals if s <= t < e) for t in times)
+
+
+@pytest.mark.parametrize("headroom", [0.02, 0.2, 1.0, 3.0])
+@pytest.mark.parametrize("kw", [dict(stages=2, stage=1, microbatches=4), dict(moe=True, stages=2, stage=0, microbatches=3),
+                                dict(ac="none", blocks=3, microbatches=4, stages=3, stage=1)])
+def test_deferral_never_exceeds_the_memory_budget(kw, headroom):
+    profile = synthetic_profile(headroom=headroom, **kw)
+    plan = plan_static(profile)
+    peak = _memory_with_deferral(profile, plan)
+    assert peak <= plan.memory_budget_bytes
+    assert plan.summary["peak_with_deferral_bytes"] == peak
+    for p in plan.ops.values():
+        if p.strategy in ("d-inter", "d-intra"):
+            assert p.retained_bytes == retained_bytes(profile.op(next(k for k, q in plan.ops.items() if q is p)))
+
+
+def test_a_tighter_budget_defers_less_and_zero_defers_nothing():
+    profile = synthetic_profile(ac="none", blocks=3, microbatches=4, stages=3, stage=1, headroom=3.0)
+    hidden = []
+    for budget in (profile.peak_bytes * 4, profile.peak_bytes * 1.2, 0):
+        plan = plan_static(profile, PlannerConfig(memory_budget_bytes=int(budget)))
+        hidden.append(plan.summary["checker_hidden_s"])
+        assert coverage_report(plan, profile).fraction == 1.0
+    assert hidden[0] >= hidden[1] >= hidden[2] == 0
+    assert hidden[0] > hidden[1]
+
+
+def test_windows_are_never_overfilled_and_follow_their_ops(case):
+    name, profile, plans = case
+    plan = plans[(1, 2, 3)]
+    ops = {o.id: o for o in profile.ops}
+    pos = {o.id: i for i, o in enumerate(profile.ops)}
+    for w in plan.windows:
+        assert w.used_s <= w.duration_s * (1 + 1e-9)
+        assert w.ops_s == pytest.approx(sum(ops[k].time_s for k in w.ops))
+        if w.dynamic:
+            assert not w.ops and not w.agc  # the dynamic planner's
+        for k in w.ops:  # a checker runs after its op, in a window that opens after it
+            assert pos[k] < pos[w.after_op] + 1 and ops[k].start_s + ops[k].time_s <= w.start_s + 1e-9
+            assert (plan.ops[k].strategy == "d-intra") == (w.kind in ("tp", "ep"))
+    for a in plan.agc_segments:
+        assert plan.window(a.window).kind == "pp"
+        assert all(not ops[k].dynamic for k in a.ops + a.forward_ops + a.bw_ops)
+        assert a.gain_s > 0 and a.memory_bytes <= a.headroom_bytes and a.occupancy_s <= a.slack_s + 1e-12
+
+
+def test_moe_dynamic_ops_go_to_the_dynamic_planner_only_with_phase_3():
+    profile = synthetic_profile(moe=True, blocks=2, microbatches=2, ac="none")
+    dyn = [o.id for o in profile.ops if o.dynamic]
+    assert dyn
+    p12 = plan_static(profile, PlannerConfig(phases=(1, 2)))
+    p123 = plan_static(profile, PlannerConfig(phases=(1, 2, 3)))
+    assert {p12.ops[k].strategy for k in dyn} == {"naive"}
+    assert {p123.ops[k].strategy for k in dyn} == {"dynamic"}
+    assert p123.summary["checker_dynamic_s"] == pytest.approx(sum(profile.op(k).time_s for k in dyn))
+    # headroom from the profiled maximum: the planned curve never dips below the peak
+    assert min(b for _, b in p123.memory_curve) >= profile.peak_bytes
+    assert 0 <= p123.summary["dynamic_budget_bytes"] <= p123.memory_budget_bytes - profile.peak_bytes
+
+
+def test_strict_improvement_when_every_phase_has_room():
+    profile = synthetic_profile(ac="selective", blocks=3, microbatches=4, stages=3, stage=1, headroom=3.0)
+    crit = [plan_static(profile, PlannerConfig(phases=ph)).summary["checker_critical_s"] for ph in ((1,), (1, 2), (1, 2, 3))]
+    assert crit[0] > crit[1] > crit[2]
+
+
+def test_baselines():
+    profile = synthetic_profile(blocks=2, microbatches=2)
+    naive = naive_only(profile)
+    assert {p.strategy for p in naive.ops.values()} == {"naive", "comm"}
+    assert naive.summary["checker_critical_s"] == pytest.approx(sum(o.time_s for o in profile.ops if o.kind != "C"))
+    assert coverage_report(naive, profile).fraction == 1.0
+    none = no_dmr(profile)
+    assert none.summary["coverage"] == 0 and none.summary["checker_critical_s"] == 0
+    with pytest.raises(CoverageError, match="no checking strategy"):
+        coverage_report(none, profile)
+    assert coverage_report(none, profile, require_full=False).fraction == 0
+
+
+def test_coverage_report_fails_loudly():
+    profile = fig10_profile()
+    good = plan_static(profile)
+    assert [(r.op, r.strategy, r.window) for r in coverage_report(good, profile).rows][:2] == [
+        ("A", "d-intra", "W2"), ("B", "d-intra", "W1")]
+
+    def tampered(fn):
+        plan = Plan.from_json(json.loads(json.dumps(good.to_json())))
+        fn(plan)
+        return plan
+
+    def none(p):
+        p.ops["C"].strategy = "none"
+
+    def two(p):
+        p.window("W1").ops.append("C")  # C is naive and now also deferred
+
+    def twice(p):
+        p.window("W2").ops.append("B")  # B deferred into two windows
+
+    def unlisted(p):
+        p.ops["E"].strategy, p.ops["E"].window = "d-intra", "W1"  # claims a window that does not list it
+
+    def wrong_kind(p):
+        p.ops["B"].strategy = "d-inter"
+        p.window("W1").kind = "tp"
+
+    for fn, msg in ((none, "no checking strategy"), (two, "two strategies"), (twice, "two strategies"),
+                    (unlisted, "two strategies"), (wrong_kind, "two strategies")):
+        with pytest.raises(CoverageError, match=msg):
+            coverage_report(tampered(fn), profile)
+    missing = tampered(lambda p: p.ops.pop("F"))
+    with pytest.raises(CoverageError, match="have no strategy"):
+        coverage_report(missing, profile)
+
+
+def test_plan_json_round_trip(tmp_path):
+    profile = synthetic_profile(stages=2, stage=0, microbatches=3, headroom=1.5)
+    plan = plan_static(profile)
+    path = plan.save(tmp_path / "sub" / "plan.json")
+    back = Plan.load(path)
+    assert json.loads(json.dumps(back.to_json())) == json.loads(json.dumps(plan.to_json()))
+    assert back.agc_segments == plan.agc_segments and back.windows == plan.windows and back.ops == plan.ops
+    assert back.memory_curve == plan.memory_curve and back.summary == plan.summary
+    assert coverage_report(back, profile).fraction == 1.0
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(TrainguardError, match="not a DMR plan"):
+        Plan.load(tmp_path / "bad.json")
+    with pytest.raises(TrainguardError, match="plan not found"):
+        Plan.load(tmp_path / "nope.json")
+
+
+def test_profile_checks(tmp_path):
+    good = synthetic_profile(blocks=1, microbatches=1)
+    path = tmp_path / "p.json"
+    good.save(path)
+    assert len(read_profile(path).ops) == len(good.ops)
+    for mutate, msg in ((lambda d: d["ops"].append(dict(d["ops"][0])), "duplicate op id"),
+                        (lambda d: d["ops"][0].update(kind="Z"), "unknown kind"),
+                        (lambda d: d["ops"][0].update(time_s=-1), "time_s must be"),
+                        (lambda d: d["windows"][0].update(kind="nvlink"), "unknown kind"),
+                        (lambda d: d["ops"][0].update(colour="red"), "does not match the profile schema"),
+                        (lambda d: d.update(ops=[]), "no ops")):
+        d = good.to_json()
+        mutate(d)
+        path.write_text(json.dumps(d))
+        with pytest.raises(TrainguardError, match=msg):
+            read_profile(path)
+    with pytest.raises(ConfigError, match="memory budget"):
+        plan_static(good, PlannerConfig(memory_budget_bytes=-5))
+
+
+def test_parse_phases():
+    assert parse_phases("1") == (1,) and parse_phases("1,2") == (1, 2) and parse_phases([1, 2, 3]) == (1, 2, 3)
+    for bad in ("2", "1,3", "1,2,3,4", "x", ""):
+        with pytest.raises(ConfigError):
+            parse_phases(bad)
+
+
+def test_profiles_without_windows_or_blocks_plan_to_naive_and_pdmr():
+    q = Builder()
+    q.op("a", ac_segment="s", seg_index=0)
+    q.op("b", ac_segment="s", seg_index=1, seg_last=True)
+    q.op("c", phase="optimizer", kind="O")
+    plan = plan_static(q.profile(budget=0, base=0))
+    assert [p.strategy for p in plan.ops.values()] == ["p-dmr", "p-dmr", "naive"]
+
+
+@pytest.mark.parametrize("times, cap, best", [([2, 3], 3, 3), ([2, 3, 4], 5, 5), ([0.1] * 8 + [0.35], 0.8, 0.8),
+                                              ([0.1] * 7 + [0.35], 0.8, 0.75), ([3.0, 2.9], 2.95, 2.9),
+                                              ([1e-9, 5, 6], 5.5, 5 + 1e-9), ([], 1, 0)])
+def test_best_fit(times, cap, best):
+    picked = best_fit(times, cap)
+    total = sum(times[i] for i in picked)
+    assert total <= cap * (1 + 1e-12)
+    assert total == pytest.approx(best, abs=cap / 2048)
+    assert best_fit([0.0, 5.0], 1.0) == [0]

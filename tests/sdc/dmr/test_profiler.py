@@ -1,0 +1,30 @@
+"""The DMR profiler records a real iteration in the schema the planners read, and `plan dmr --model` plans it."""
+
+import json
+
+from trainguard.cli.main import main
+from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
+from trainguard.sdc.dmr.profiler import profile_run
+
+
+def test_profile_of_a_real_iteration_has_every_phase_and_links():
+    prof = profile_run("llama-tiny", pp=1, batch=2, seq_len=32)
+    phases = {o.phase for o in prof.ops}
+    assert {"forward", "recompute", "backward"} <= phases  # (the update stage is never deferred: not planned)
+    ids = {o.id for o in prof.ops}
+    assert len(ids) == len(prof.ops)
+    rec = [o for o in prof.ops if o.phase == "recompute"]
+    assert rec and all(o.recompute_of in ids for o in rec)  # each recompute op names its forward twin
+    bw = [o for o in prof.ops if o.kind in ("B", "W")]
+    assert bw and sum(o.grad_of is not None for o in bw) > 0.9 * len(bw)  # gradient ops name what they differentiate
+    assert any(o.kind == "W" for o in bw) and any(o.seg_last for o in prof.ops)
+    assert {o.block for o in prof.ops if o.block} == {"layers.0", "layers.1"}
+    plan = plan_static(prof, PlannerConfig())
+    assert plan.summary["coverage"] == 1.0 and plan.summary["pdmr_segments"] > 0
+
+
+def test_plan_dmr_profiles_a_model(capsys):
+    rc = main(["plan", "dmr", "--model", "llama-tiny", "--pp", "1", "--steps", "1", "--out", "", "--figure", "", "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["summary"]["coverage"] == 1.0

@@ -1,0 +1,55 @@
+"""Expert parallelism (2 ranks, each holding half the experts): the same losses and validation loss as one
+process on the same global batch, and DMR deferring its checks into the expert all-to-all windows."""
+
+import pytest
+import torch
+from test_pipeline import assert_bitwise, run_dist
+
+from trainguard.config import load_config
+from trainguard.errors import ConfigError
+from trainguard.train import Trainer
+
+EP = ["--model.preset", "llama-moe-tiny", "--model.dim", "32", "--model.n_layers", "2", "--model.ffn_hidden", "32",
+      "--data.batch_size", "8", "--train.steps", "4", "--distributed.ep", "2"]
+
+
+def test_expert_parallel_configs_are_checked():
+    with pytest.raises(ConfigError, match="needs a MoE model"):
+        load_config(None, ["--distributed.ep", "2"])
+    with pytest.raises(ConfigError, match="leave dp and pp at 1"):
+        load_config(None, [*EP, "--distributed.dp", "2"])
+
+
+@pytest.fixture(scope="module")
+def clean_ep(tmp_path_factory):
+    return run_dist(tmp_path_factory.mktemp("ep"), "clean", 2, "clean", *EP)
+
+
+@pytest.mark.slow
+def test_two_expert_ranks_match_one_process(clean_ep):
+    cfg = load_config(None, [*EP[:-2], "--train.lr", "1e-2", "--train.eval_every", "2", "--train.eval_batches", "2",
+                             "--data.seq_len", "16", "--data.max_bytes", "300000", "--model.n_heads", "2",
+                             "--output.dir", "", "--output.progress", "false"])
+    single = Trainer(cfg)
+    losses = [single.train_step().loss for _ in range(4)]
+    val = single.evaluate()["val_loss"]
+    ref = {f"param/{n}": p.detach() for n, p in single.model.named_parameters()}
+    for rank in clean_ep:
+        assert [s["loss"] for s in rank["steps"]] == pytest.approx(losses, rel=1e-5)
+        assert rank["summary"]["val_loss"] == pytest.approx(val, rel=1e-5)
+        for k, v in rank["state"].items():  # every expert a rank holds, and the shared weights
+            if k.startswith("param/"):
+                torch.testing.assert_close(v, ref[k], rtol=1e-4, atol=1e-5)
+    held = [k for r in clean_ep for k in r["state"] if ".experts." in k and k.startswith("param/")]
+    assert len(held) == len(set(held)) == sum(1 for k in ref if ".experts." in k)  # each expert on one rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_dmr_defers_into_expert_windows_and_rolls_back_bitwise(tmp_path, clean_ep, phase):
+    got = run_dist(tmp_path, "dmr", 2, f"dmr:0:2:{phase}", *EP, "--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true")
+    assert got[0]["fired"] and got[0]["dmr"]["detected"] >= 1
+    assert [s["attempts"] for s in got[1]["steps"]] == [2, 1, 2, 1]  # (step 0: profiled, then planned)
+    assert all(r["dmr_coverage"] == 1.0 for r in got)
+    assert any(k.startswith(("checked-in-ep", "checked-in-dynamic")) for r in got for k in r["dmr_counts"])
+    assert_bitwise(got, clean_ep)

@@ -1,0 +1,82 @@
+"""``trainguard bench dmr``: No-DMR, Naive-Only and SpareTrain throughput side by side on one trainer
+(``trainguard.sdc.dmr.bench``), with the pipeline's idle share set by an emulated slow link.
+Registered by ``bench.py``. Relies on argparse, rich and torch's elastic launcher for pipelines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
+from trainguard.errors import ConfigError, TrainguardError
+from trainguard.sdc.dmr.bench import SYSTEMS, merge, run_rank
+
+
+def register_bench(subparsers) -> None:
+    p = subparsers.add_parser("dmr", help="DMR throughput: No-DMR vs Naive-Only vs SpareTrain (and its phases)")
+    p.add_argument("--model", default="llama-60m", help="model preset (default llama-60m)")
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages (processes; default 2)")
+    p.add_argument("--idle-fraction", type=float, default=0.0,
+                   help="emulate a slower inter-stage link so No-DMR idles this share of its step (0: no emulation)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per round and system (default 2)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    add_json_flag(p)
+    p.set_defaults(handler=run)
+
+
+def _spec(args) -> dict:
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad or not systems:
+        raise ConfigError(f"--systems: unknown {', '.join(bad) or '(none)'} (choose from {', '.join(SYSTEMS)})")
+    if not 0 <= args.idle_fraction < 0.95:
+        raise ConfigError(f"--idle-fraction must be in [0, 0.95), got {args.idle_fraction}")
+    if args.pp < 1 or args.rounds < 1 or args.steps < 1 or args.warmup < 1:
+        raise ConfigError("--pp, --rounds, --steps and --warmup must be >= 1")
+    overrides = ["--model.preset", args.model, "--data.seq_len", str(args.seq_len), "--data.batch_size", str(args.batch),
+                 "--data.max_bytes", str(max(2_000_000, 64 * args.batch * (args.seq_len + 2))),
+                 "--train.steps", "100000", "--train.eval_every", "0", "--train.activation_checkpoint", "full",
+                 "--output.dir", "", "--output.progress", "false", "--output.metrics", "false"]
+    if args.pp > 1:
+        overrides += ["--distributed.pp", str(args.pp), "--distributed.microbatches", str(args.microbatches)]
+    return {"overrides": overrides, "systems": systems, "idle_fraction": args.idle_fraction, "rounds": args.rounds,
+            "steps": args.steps, "warmup": args.warmup}
+
+
+def run(args) -> int:
+    spec = _spec(args)
+    out = err_console if args.json else console
+    out.print(f"bench dmr: {args.model}, {args.pp} stage(s), batch {args.batch} x {args.seq_len}, "
+              f"idle fraction {args.idle_fraction or 'as measured (no emulation)'}; systems {', '.join(spec['systems'])}")
+    with tempfile.TemporaryDirectory(prefix="trainguard-bench-dmr-") as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        if args.pp == 1:
+            ranks = [run_rank(spec)]
+        else:
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            env.pop("LOCAL_RANK", None)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.pp}",
+                   "-m", "trainguard.sdc.dmr.bench", tmp, str(spec_path)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-3:]
+                raise TrainguardError("bench dmr: a pipeline process failed: " + " | ".join(tail))
+            ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.pp)]
+    res = merge(ranks, spec["systems"])
+    res.update(model=args.model, pp=args.pp, batch=args.batch, seq_len=args.seq_len, idle_fraction_target=args.idle_fraction)
+    rows = {k: v for k, v in res.items() if not isinstance(v, (dict, list))}
+    out.print(table("bench dmr (side by side; " + ("emulated link" if res["idle_fraction_emulated"] else "loopback link")
+                    + ")", rows))
+    if args.json:
+        emit_json(res)
+    return 0

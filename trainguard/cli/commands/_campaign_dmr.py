@@ -1,0 +1,74 @@
+"""``trainguard campaign dmr``: bit flips into random compute ops of DMR-protected training, every trial
+compared with the fault-free run (``trainguard.sdc.dmr.campaign``). Registered by ``campaign.py``.
+Relies on argparse, rich and torch's elastic launcher for pipelines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
+from trainguard.errors import ConfigError, TrainguardError
+from trainguard.sdc.dmr.campaign import PHASES, run_rank
+
+KEYS = ("trials", "detected", "masked", "silent", "unreached", "false_positives", "rollback_bitwise_equal")
+
+
+def register_campaign(subparsers) -> None:
+    p = subparsers.add_parser("dmr", help="bit flips in random ops of every phase vs DMR (detect, roll back)")
+    p.add_argument("--model", default="llama-tiny", help="model preset (llama-tiny, llama-moe-tiny, ...)")
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--phase", default="any", choices=(*PHASES, "any"))
+    p.add_argument("--pp", type=int, default=1, choices=(1, 2), help="pipeline stages (2: two processes)")
+    p.add_argument("--steps", type=int, default=3, help="training steps per trial (default 3)")
+    p.add_argument("--dim", type=int, default=64, help="model width for the trials (default 64: fast)")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4)
+    add_json_flag(p)
+    p.set_defaults(handler=run)
+
+
+def spec_from(args) -> dict:
+    if args.trials < 1 or args.steps < 1 or args.dim < 8:
+        raise ConfigError("--trials and --steps must be >= 1 and --dim >= 8")
+    overrides = ["--model.preset", args.model, "--model.dim", str(args.dim), "--model.n_heads", "2",
+                 "--model.ffn_hidden", str(2 * args.dim), "--model.n_layers", "2", "--data.seq_len", str(args.seq_len),
+                 "--data.batch_size", str(args.batch * 2 if args.pp > 1 else args.batch), "--data.max_bytes", "400000",
+                 "--train.steps", str(args.steps), "--train.eval_every", "0", "--train.activation_checkpoint", "full",
+                 "--output.dir", "", "--output.progress", "false", "--output.metrics", "false"]
+    if args.pp > 1:
+        overrides += ["--distributed.pp", "2", "--distributed.microbatches", "2"]
+    return {"overrides": overrides, "trials": args.trials, "seed": args.seed, "phase": args.phase, "steps": args.steps,
+            "model": args.model, "progress": not args.json}
+
+
+def run(args) -> int:
+    spec = spec_from(args)
+    out = err_console if args.json else console
+    out.print(f"campaign dmr: {args.model} (dim {args.dim}), {args.trials} trials, phase {args.phase}, pp {args.pp}")
+    if args.pp == 1:
+        spec["progress"] = True
+        res = run_rank(spec)
+    else:
+        with tempfile.TemporaryDirectory(prefix="trainguard-campaign-dmr-") as tmp:
+            spec_path = Path(tmp) / "spec.json"
+            spec_path.write_text(json.dumps(spec))
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            env.pop("LOCAL_RANK", None)
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                   "-m", "trainguard.sdc.dmr.campaign", tmp, str(spec_path)],
+                                  env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-3:]
+                raise TrainguardError("campaign dmr: a pipeline process failed: " + " | ".join(tail))
+            res = json.loads((Path(tmp) / "campaign.json").read_text())
+    res.update(model=args.model, pp=args.pp, phase=args.phase, seed=args.seed)
+    out.print(table(f"campaign dmr: {args.model}, pp {args.pp}", {k: res[k] for k in KEYS}))
+    if args.json:
+        emit_json(res)
+    return 0

@@ -1,0 +1,118 @@
+"""``trainguard plan dmr``: the SpareTrain DMR plan of one rank's training iteration.
+
+``plan dmr --profile PROFILE.json [--phases 1|1,2|1,2,3] [--memory-budget BYTES] [--out PLAN.json]
+[--figure FIG.png] [--json]`` reads a DMR profile (trainguard.sdc.dmr.profile), plans it
+(trainguard.sdc.dmr.planner), prints the summary next to the No-DMR and Naive-Only baselines, writes the
+plan JSON and the timeline figure (trainguard.report.dmr_timeline). ``--model M [--pp 2] [--steps N]``
+profiles a model first with ``trainguard.sdc.dmr.profiler.profile_run`` where that exists.
+Registered by ``plan.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+from pathlib import Path
+
+from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
+from trainguard.errors import ConfigError, TrainguardError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"``, ``"500MB"``, ``"1e9"`` or ``"123456"`` -> bytes (ConfigError otherwise)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text or "")
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"--memory-budget must be bytes, optionally with a unit (e.g. 80GiB, 500MB); got {text!r}")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value < 0:
+        raise ConfigError(f"--memory-budget must be >= 0, got {text!r}")
+    return int(value)
+
+
+def register_plan(subparsers) -> None:
+    p = subparsers.add_parser("dmr", help="SpareTrain DMR plan (P-DMR, AGC segments, deferred checks) from a profile")
+    p.add_argument("--profile", help="DMR profile JSON of one rank's iteration (written by the DMR profiler)")
+    p.add_argument("--model", help="profile this model first (needs trainguard.sdc.dmr.profiler)")
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages for --model")
+    p.add_argument("--steps", type=int, default=3, help="profiled iterations for --model")
+    p.add_argument("--phases", default="1,2,3", help="planner phases: 1, 1,2 or 1,2,3 (default)")
+    p.add_argument("--memory-budget", default=None, help="device memory budget (default: the profile's), e.g. 80GiB")
+    p.add_argument("--out", default="runs/plan-dmr/plan.json", help="plan JSON to write ('' to skip)")
+    p.add_argument("--figure", default="runs/plan-dmr/timeline.png", help="timeline figure to write ('' to skip)")
+    add_json_flag(p)
+    p.set_defaults(handler=run)
+
+
+def _profile(args):
+    from trainguard.sdc.dmr.planner import read_profile
+
+    if args.profile and args.model:
+        raise ConfigError("pass either --profile or --model, not both")
+    if args.profile:
+        return read_profile(args.profile), args.profile
+    if not args.model:
+        raise ConfigError("pass --profile PROFILE.json (or --model M to profile a model first)")
+    name = "trainguard.sdc.dmr.profiler"
+    fn = getattr(importlib.import_module(name), "profile_run", None) if importlib.util.find_spec(name) else None
+    if fn is None:
+        raise TrainguardError("--model needs the DMR profiler (trainguard.sdc.dmr.profiler.profile_run), which this "
+                              "build lacks: pass --profile PROFILE.json")
+    if args.pp < 1 or args.steps < 1:
+        raise ConfigError(f"--pp and --steps must be >= 1, got {args.pp}, {args.steps}")
+    return fn(model=args.model, pp=args.pp, steps=args.steps), f"model {args.model}"
+
+
+def run(args) -> int:
+    from trainguard.sdc.dmr.planner import PlannerConfig, naive_only, no_dmr, parse_phases, plan_static
+
+    try:
+        phases = parse_phases(args.phases)
+    except ConfigError:
+        raise ConfigError(f"--phases must be 1, 1,2 or 1,2,3; got {args.phases!r}") from None
+    budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
+    if args.figure and Path(args.figure).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ConfigError(f"--figure must end in .png, .svg or .pdf, got {args.figure!r}")
+    profile, source = _profile(args)
+    plan = plan_static(profile, PlannerConfig(phases=phases, memory_budget_bytes=budget))
+    base = {"no-dmr": no_dmr(profile).summary, "naive-only": naive_only(profile).summary}
+    fig = out = None
+    try:
+        out = plan.save(args.out) if args.out else None
+        if args.figure:
+            from trainguard.report.dmr_timeline import draw_timeline
+
+            fig = draw_timeline(profile, plan, args.figure)
+    except OSError as err:
+        raise TrainguardError(f"cannot write {err.filename or 'output'}: {err.strerror or err}") from None
+    s = plan.summary
+    show = err_console if args.json else console
+    rows = {"source": source, "phases": ",".join(map(str, plan.phases)), "ops (non-communication)": s["ops"],
+            "coverage": f"{s['coverage']:.1%}",
+            "checker time on the critical path (s)": s["checker_critical_s"],
+            "  of which naive (s)": s["naive_s"], "  of which P-DMR extra runs (s)": s["pdmr_extra_runs_s"],
+            "  of which dynamic, upper bound (s)": s["checker_dynamic_s"],
+            "checker time hidden in windows (s)": s["checker_hidden_s"],
+            "Naive-Only checker time (s)": base["naive-only"]["checker_critical_s"],
+            "iteration (s)": s["iteration_s"],
+            "critical-path overhead vs iteration": s["critical_overhead"],
+            "P-DMR segments (exceptions)": f"{s['pdmr_segments']} ({s['pdmr_exceptions']})",
+            "AGC segments": s["agc_segments"],
+            "windows used / all": f"{s['windows_used']} / {s['windows']}",
+            "memory budget (bytes)": s["memory_budget_bytes"], "peak (bytes)": s["peak_bytes"],
+            "peak with deferral (bytes)": s["peak_with_deferral_bytes"]}
+    show.print(table("trainguard plan dmr", rows))
+    show.print(table("strategies", [(k, int(v["ops"]), v["time_s"]) for k, v in s["by_strategy"].items()],
+                     columns=("strategy", "ops", "op time (s)")))
+    written = [str(x) for x in (out, fig) if x]
+    if written:
+        show.print(f"wrote {', '.join(written)}")
+    if args.json:
+        emit_json({"source": source, "phases": list(plan.phases), "plan": str(out) if out else None,
+                   "figure": str(fig) if fig else None, "summary": s,
+                   "baselines": {k: {"checker_critical_s": v["checker_critical_s"], "coverage": v["coverage"]}
+                                 for k, v in base.items()}})
+    return 0

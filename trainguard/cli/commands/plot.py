@@ -1,0 +1,30 @@
+"""``trainguard plot RUN_DIR [--out PNG] [--json]``: draw a training run (loss, validation loss, throughput,
+fault events) from its output folder into a PNG (``trainguard.report.run_plot``). Relies on argparse and rich."""
+
+from __future__ import annotations
+
+from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plot", help="draw a training run (loss, validation loss, throughput, fault events) into a PNG")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's output folder (output.dir: metrics.jsonl)")
+    p.add_argument("--out", default=None, help="PNG to write (default RUN_DIR/run.png)")
+    add_json_flag(p)
+    p.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from trainguard.report.run_plot import plot_run
+
+    path, curves = plot_run(args.run_dir, args.out)
+    counts = curves.counts()
+    result = {"path": str(path), "steps": len(curves.steps), "first_step": curves.steps[0], "last_step": curves.steps[-1],
+              "evaluations": len(curves.val), "resumes": len(curves.resumes), "events": counts}
+    out = err_console if args.json else console
+    out.print(table(f"trainguard plot: {path}", {"steps": f"{curves.steps[0]}..{curves.steps[-1]}",
+                                                 "evaluations": len(curves.val), "resumes": len(curves.resumes),
+                                                 **counts}))
+    if args.json:
+        emit_json(result)
+    return 0

@@ -1,0 +1,171 @@
+"""``trainguard bench dmr``: No-DMR, Naive-Only and SpareTrain (with its phase ablation) on one trainer,
+side by side.
+
+Every system runs on the same model, batches and pipeline, in alternating rounds (the order rotates each
+round), after a warm-up; throughput is tokens over the median step time of each system. No-DMR runs with
+no dispatch mode at all (plain activation checkpointing with early stop); Naive-Only re-executes every op
+at once; SpareTrain verifies the activation-checkpointed ops on their recompute (P-DMR) and defers the
+others into pipeline transfer windows as planned from a profile of the run. Ablation: ``sparetrain-p1``
+(phase 1: P-DMR, the rest naive), ``sparetrain-p12`` (+ AGC segments in pipeline windows) and
+``sparetrain`` (phases 1-3: + per-op deferral into the remaining windows).
+
+Loopback links are nearly free, unlike an inter-node link: ``idle_fraction > 0`` **emulates** a slower
+link between pipeline stages (every transfer lands a fixed delay after it is issued), calibrated on the
+No-DMR warm-up so the No-DMR step idles that fraction of its time (measured again in the timed rounds and
+reported). Each rank writes its figures to ``OUT/rank{r}.json``; the CLI merges them.
+
+Run inside each process by ``python -m trainguard.sdc.dmr.bench OUT CONFIG.json`` (torchrun for pipelines).
+Relies on torch (distributed), the Trainer and the DMR engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainguard.sdc.dmr.config import DMRConfig
+from trainguard.sdc.dmr.engine import attach
+from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
+from trainguard.train import Trainer, TrainerConfig
+
+SYSTEMS = ("none", "naive", "sparetrain-p1", "sparetrain-p12", "sparetrain")
+PHASES = {"sparetrain-p1": (1,), "sparetrain-p12": (1, 2), "sparetrain": (1, 2, 3)}
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _mean_over_ranks(x: float) -> float:
+    if not (dist.is_available() and dist.is_initialized()):
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _set_system(engine, trainer, system: str, plans: dict | None = None) -> None:
+    engine.set_system("sparetrain" if system.startswith("sparetrain") else system)
+    if plans and system in PHASES:
+        engine.plan = plans[PHASES[system]]
+
+
+def _timed_steps(trainer, n: int) -> tuple[list[float], float]:
+    """Step wall times and the share of them spent waiting on pipeline transfers."""
+    sched = getattr(trainer.strategy, "schedule", None)
+    w0 = getattr(sched, "wait_s", 0.0)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        trainer.train_step()
+        times.append(time.perf_counter() - t0)
+    waited = getattr(sched, "wait_s", 0.0) - w0
+    return times, waited / max(sum(times), 1e-9)
+
+
+def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(spec.get("threads", 1))
+    cfg = TrainerConfig.load(None, spec["overrides"])
+    trainer = Trainer(cfg, progress=False)
+    engine = attach(trainer, DMRConfig(enabled=True, system="none"))
+    systems = spec.get("systems", list(SYSTEMS))
+    # warm-up (and calibration of the emulated link) on No-DMR
+    _set_system(engine, trainer, "none")
+    sched = getattr(trainer.strategy, "schedule", None)
+    target = float(spec.get("idle_fraction", 0.0))
+    times, idle = _timed_steps(trainer, spec.get("warmup", 2))
+    delay = 0.0
+    if target > 0 and sched is not None:
+        waits = max(1, sched.waits // max(1, trainer.step_idx))
+        for _ in range(3):  # scale the delay by the ratio of the idle odds, target over measured
+            t_step = _mean_over_ranks(statistics.median(times))
+            idle = _mean_over_ranks(idle)
+            if delay == 0:
+                delay = max(0.0, (target * t_step - idle * t_step) / (waits * (1 - target)))
+            else:
+                delay *= (target / (1 - target)) / max(idle / max(1 - idle, 1e-9), 1e-9)
+            delay = _mean_over_ranks(delay)
+            sched.link_delay_s = delay
+            times, idle = _timed_steps(trainer, 2)
+    # profile one step (then re-executed under the plan) and plan it once per phase set
+    _set_system(engine, trainer, "sparetrain")
+    trainer.train_step()
+    plans = {p: plan_static(engine.profile, PlannerConfig(phases=p)) for p in PHASES.values()} \
+        if engine.profile is not None else None
+    per: dict[str, dict[str, list]] = {s: {"times": [], "idle": [], "rss": []} for s in systems}
+    rounds, steps = spec.get("rounds", 3), spec.get("steps", 3)
+    for r in range(rounds):
+        order = systems[r % len(systems):] + systems[:r % len(systems)]
+        for s in order:
+            _set_system(engine, trainer, s, plans)
+            t, idle = _timed_steps(trainer, steps)
+            per[s]["times"] += t
+            per[s]["idle"].append(idle)
+            per[s]["rss"].append(_rss_bytes())
+    # coverage of one more SpareTrain step, with the per-op report on
+    _set_system(engine, trainer, "sparetrain", plans)
+    engine.cfg.coverage = True
+    trainer.train_step()
+    coverage = engine.coverage_report()
+    tokens = trainer.tokens_per_step
+    out = {
+        "rank": trainer.rank, "strategy": trainer.strategy.name, "link_delay_ms": delay * 1000,
+        "emulated_link": delay > 0, "tokens_per_step": tokens,
+        "systems": {s: {"tokens_per_s": tokens / statistics.median(v["times"]), "step_s": statistics.median(v["times"]),
+                        "idle_fraction": statistics.median(v["idle"]), "peak_rss_bytes": max(v["rss"])}
+                    for s, v in per.items()},
+        "coverage": coverage["coverage"], "compute_ops": coverage["compute_ops"], "by_strategy": coverage["by_strategy"],
+        "detected": engine.totals["detected"] - 0,
+        "plan_summary": {str(k): v.summary for k, v in (plans or {}).items()},
+    }
+    trainer.close()
+    return out
+
+
+def merge(ranks: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
+    """One result for the run: throughput from rank 0 (every stage takes the same step time), idle and
+    memory over ranks (mean idle, max memory), coverage the minimum over ranks."""
+    r0 = ranks[0]["systems"]
+    tps = {s: r0[s]["tokens_per_s"] for s in systems}
+    out: dict[str, Any] = {
+        "no_dmr_tokens_per_s": tps.get("none"), "naive_tokens_per_s": tps.get("naive"),
+        "sparetrain_tokens_per_s": tps.get("sparetrain"),
+        "idle_fraction_measured": statistics.mean(r["systems"]["none"]["idle_fraction"] for r in ranks)
+        if "none" in systems else None,
+        "idle_fraction_emulated": ranks[0]["emulated_link"], "link_delay_ms": ranks[0]["link_delay_ms"],
+        "coverage": min(r["coverage"] for r in ranks), "detected_in_clean_runs": sum(r["detected"] for r in ranks),
+        "peak_memory_bytes": {s: max(r["systems"][s]["peak_rss_bytes"] for r in ranks) for s in systems},
+        "ablation": {s: {"tokens_per_s": tps[s],
+                         "overhead_vs_no_dmr": (tps["none"] / tps[s] - 1) if "none" in tps else None}
+                     for s in systems if s.startswith("sparetrain")},
+        "per_rank": ranks,
+    }
+    if "none" in tps and "sparetrain" in tps:
+        out["overhead_vs_no_dmr"] = tps["none"] / tps["sparetrain"] - 1
+    if "naive" in tps and "sparetrain" in tps:
+        out["gain_vs_naive"] = tps["sparetrain"] / tps["naive"] - 1
+    return out
+
+
+def main(argv: list[str]) -> int:
+    out_dir, spec_path = argv
+    spec = json.loads(Path(spec_path).read_text())
+    res = run_rank(spec)
+    Path(out_dir, f"rank{res['rank']}.json").write_text(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

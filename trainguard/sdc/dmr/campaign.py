@@ -1,0 +1,134 @@
+"""``trainguard campaign dmr``: one bit flip per trial into a random compute op of a training run with DMR
+on; every trial's final parameters are compared with the fault-free run's.
+
+A trial draws (from the campaign seed) a phase (``forward``, ``recompute``, ``backward``, ``optimizer``, or
+the one asked for), a step, a rank (pipeline runs) and an op among that rank's compute ops of that phase
+in that step (counted in the reference run), and flips one random bit of one element of its output
+through the fault injector (in-place ops: of a tensor they write). Outcome classes:
+
+* ``detected``: DMR flagged it (the iteration was re-executed, or the optimizer chunk repaired);
+* ``masked``: not flagged and the final state equals the reference bitwise;
+* ``silent``: not flagged and the final state differs (silent data corruption);
+
+``rollback_bitwise_equal`` counts trials whose final parameters and optimizer state equal the fault-free
+run bitwise; ``false_positives`` counts detections in fault-free runs (the reference). Pipelines run
+inside each torchrun rank (``python -m trainguard.sdc.dmr.campaign OUT SPEC.json``).
+Relies on torch, the Trainer, the fault injector and the DMR engine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainguard.faults import Fault, FaultModel, Injector, OpSite
+from trainguard.sdc.dmr.config import DMRConfig
+from trainguard.sdc.dmr.engine import attach
+from trainguard.train import Trainer, TrainerConfig
+from trainguard.utils import TaskBar
+
+PHASES = ("forward", "recompute", "backward", "optimizer")
+
+
+def _all(flag: bool, op=None) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=op or dist.ReduceOp.MIN)
+    return bool(t)
+
+
+def _any(flag: bool) -> bool:
+    return _all(flag, dist.ReduceOp.MAX) if dist.is_available() and dist.is_initialized() else flag
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _run(cfg, steps: int, fault: Fault | None, rank_of_fault: int, seed: int, count: bool = False, plan=None):
+    trainer = Trainer(cfg, progress=False)
+    engine = attach(trainer, DMRConfig(enabled=True), plan=plan)
+    injector = None
+    if count or (fault is not None and trainer.rank == rank_of_fault):
+        injector = Injector([fault] if fault is not None else [], seed=seed).attach(trainer)
+        injector.count_ops = count
+    for _ in range(steps):
+        trainer.train_step()
+    detected = engine.totals["detected"] > 0
+    return trainer, engine, injector, detected
+
+
+def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    cfg = TrainerConfig.load(None, spec["overrides"])
+    steps, trials, seed = spec["steps"], spec["trials"], spec["seed"]
+    ref_trainer, ref_engine, counter, fp = _run(cfg, steps, None, -1, seed, count=True)
+    first, plan = ref_trainer, ref_engine.plan
+    if plan is not None:
+        # The plan made from a profile depends on measured times, so every run of the campaign follows the
+        # reference's plan: then the same ops run in every trial and a drawn site is always reached.
+        ref_trainer, ref_engine, counter, fp2 = _run(cfg, steps, None, -1, seed, count=True, plan=plan)
+        fp = fp or fp2
+    reference = ref_trainer.state_dict_for_compare()
+    world, rank = ref_trainer.world, ref_trainer.rank
+    counts = _gather(counter.op_counts)  # every rank's compute ops per (step, phase)
+    false_positives = int(_any(fp))
+    phases = [p for p in PHASES if spec["phase"] in ("any", p)]
+    rng = np.random.default_rng(seed)
+    summary = {"trials": 0, "detected": 0, "masked": 0, "silent": 0, "unreached": 0, "false_positives": false_positives,
+               "rollback_bitwise_equal": 0, "by_phase": {p: {"trials": 0, "detected": 0} for p in phases}, "results": []}
+    bar = TaskBar(spec.get("progress", False) and rank == 0, f"campaign dmr {spec['model']}", trials)
+    try:
+        for trial in range(trials):
+            options = [(p, s, r) for p in phases for s in range(steps) for r in range(world) if counts[r].get((s, p), 0)]
+            if not options:
+                raise RuntimeError(f"no compute op in phase(s) {', '.join(phases)} (activation checkpointing off?)")
+            phase, step, frank = options[int(rng.integers(len(options)))]
+            occurrence = int(rng.integers(counts[frank][(step, phase)]))
+            fault = Fault(OpSite("*", phase, occurrence, compute_only=True), FaultModel("bitflip", field="any"), step=step)
+            trainer, engine, injector, detected = _run(cfg, steps, fault, frank, seed * 1_000_003 + trial, plan=plan)
+            state = trainer.state_dict_for_compare()
+            equal = _all(state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state))
+            detected = _any(detected)
+            fired = _any(bool(injector is not None and injector.records))
+            record = injector.records[0].to_dict() if injector is not None and injector.records else None
+            records = [r for r in _gather(record) if r]
+            outcome = "detected" if detected else ("masked" if equal else "silent")
+            summary["trials"] += 1
+            summary[outcome] += 1
+            summary["unreached"] += int(not fired)
+            summary["rollback_bitwise_equal"] += int(equal)
+            summary["by_phase"][phase]["trials"] += 1
+            summary["by_phase"][phase]["detected"] += int(detected)
+            summary["results"].append({"trial": trial, "phase": phase, "step": step, "rank": frank,
+                                       "occurrence": occurrence, "outcome": outcome, "bitwise_equal": equal,
+                                       "fault": records[0] if records else None})
+            bar.advance(f"detected {summary['detected']}  silent {summary['silent']}")
+    finally:
+        bar.stop()
+    summary["rank"] = rank
+    first.close()  # (the first trainer created the process group of a pipeline run: it closes it)
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    out_dir, spec_path = argv
+    res = run_rank(json.loads(Path(spec_path).read_text()))
+    if res["rank"] == 0:
+        Path(out_dir, "campaign.json").write_text(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,89 @@
+"""The offline DMR profiler: run the first iteration of a model's training with the DMR engine recording
+(every op with its time, bytes, module, block and activation-checkpoint segment; the idle windows; memory
+over the iteration) and return the :class:`~trainguard.sdc.dmr.profile.Profile` of each rank.
+
+``profile_run(model="llama-60m", pp=2)`` trains the model's first step in ``pp`` pipeline stages (under
+torchrun, one process per stage) with activation checkpointing, and returns stage 0's profile; every stage's
+profile is in ``profile.meta["profiles"]`` (paths of the JSON files when ``out_dir`` is given). The engine
+does the recording itself (``DMREngine`` profiles the first attempt of a run and plans the rest); this module
+only sets up the run. Relies on the Trainer, the DMR engine and torch's elastic launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainguard.errors import TrainguardError
+from trainguard.sdc.dmr.config import DMRConfig
+from trainguard.sdc.dmr.engine import attach
+from trainguard.sdc.dmr.profile import Profile
+from trainguard.train import Trainer, TrainerConfig
+
+
+def _overrides(model: str, pp: int, batch: int, seq_len: int, microbatches: int) -> list[str]:
+    out = ["--model.preset", model, "--data.seq_len", str(seq_len), "--data.batch_size", str(batch),
+           "--data.max_bytes", str(max(2_000_000, 64 * batch * (seq_len + 2))), "--train.steps", "1000",
+           "--train.eval_every", "0", "--train.activation_checkpoint", "full", "--output.dir", "",
+           "--output.progress", "false", "--output.metrics", "false"]
+    if pp > 1:
+        out += ["--distributed.pp", str(pp), "--distributed.microbatches", str(microbatches)]
+    return out
+
+
+def profile_rank(overrides: list[str], steps: int = 1) -> Profile:
+    """Inside one process: train ``steps`` steps with DMR (the first attempt profiled); the rank's profile."""
+    torch.set_num_threads(1)
+    trainer = Trainer(TrainerConfig.load(None, overrides), progress=False)
+    engine = attach(trainer, DMRConfig(enabled=True))
+    engine.deferrable = True  # (a single process has no windows; profile it all the same)
+    for _ in range(steps):
+        trainer.train_step()
+    trainer.close()
+    return engine.profile
+
+
+def profile_run(model: str = "llama-60m", pp: int = 2, steps: int = 1, batch: int = 8, seq_len: int = 128,
+                microbatches: int = 4, out_dir: str | Path | None = None) -> Profile:
+    overrides = _overrides(model, pp, batch, seq_len, microbatches)
+    if pp == 1:
+        prof = profile_rank(overrides, steps)
+        prof.meta["profiles"] = [prof.to_json()] if out_dir is None else []
+        return prof
+    with tempfile.TemporaryDirectory(prefix="trainguard-dmr-profile-") as tmp:
+        target = Path(out_dir) if out_dir is not None else Path(tmp)
+        target.mkdir(parents=True, exist_ok=True)
+        spec = Path(tmp) / "spec.json"
+        spec.write_text(json.dumps({"overrides": overrides, "steps": steps}))
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("LOCAL_RANK", None)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}",
+                               "-m", "trainguard.sdc.dmr.profiler", str(target), str(spec)],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-3:]
+            raise TrainguardError("DMR profiling: a pipeline process failed: " + " | ".join(tail))
+        paths = [target / f"profile-rank{r}.json" for r in range(pp)]
+        prof = Profile.load(paths[0])
+        prof.meta["profiles"] = [str(p) for p in paths] if out_dir is not None else \
+            [Profile.load(p).to_json() for p in paths]
+        return prof
+
+
+def main(argv: list[str]) -> int:
+    out_dir, spec_path = argv
+    spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
+    prof = profile_rank(spec["overrides"], spec["steps"])
+    prof.save(Path(out_dir) / f"profile-rank{prof.rank}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
