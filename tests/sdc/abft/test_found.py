@@ -65,8 +65,8 @@ def test_two_moderate_errors_in_one_column_of_a_model_product():
     assert h.total()["escalated"] == 0
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_nan_and_a_moderate_error_in_one_column_of_the_output(name):
+@pytest.mark.parametrize("name, error", [("llama", 1e3), ("llama", 1e2), ("gpt2", 1e3), ("gpt2", 1e2)])
+def test_nan_and_a_moderate_error_in_one_column_of_the_output(name, error):
     if name == "llama":
         m, x = _llama()
         run = m
@@ -79,7 +79,7 @@ def test_nan_and_a_moderate_error_in_one_column_of_the_output(name):
 
     def two(t):
         t[0, 3, 7] = float("nan")
-        t[0, 11, 7] += 1e3
+        t[0, 11, 7] += error  # on GPT-2 the old code got +1e3 right by luck and left +1e2 (logits off by 0.76)
 
     h.add_fault_hook(Once(0, "output", two))
     out = run(x)
