@@ -40,3 +40,25 @@ def test_without_switch_nothing_is_attached():
     trainer = Trainer(cfg)
     assert attach_from_config(trainer) == {}
     assert trainer.metric_sources == [] and trainer.callbacks == []
+
+
+def test_abft_switch_retries_a_step_whose_softmax_output_is_corrupted_bitwise():
+    """[sdc] abft attaches ABFTGuard: a NaN in the softmax output (nothing to correct it from) escalates, the
+    Trainer re-executes the step, and the run ends bitwise equal to a fault-free run with the same switch."""
+    from trainguard.faults import Fault, FaultModel, Injector, ProductSite
+
+    cfg = load_config(None, OVERRIDES + ["--sdc.abft", "true"])
+    clean = Trainer(cfg)
+    attach_from_config(clean)
+    clean_summary = clean.run()
+
+    trainer = Trainer(cfg)
+    handles = attach_from_config(trainer)
+    inj = Injector(Fault(ProductSite("probs", layer=0), FaultModel("nan"), step=1, index=5)).attach(trainer)
+    summary = trainer.run()
+    assert len(inj.records) == 1
+    assert summary.retries == 1 and handles["abft"].retries == 1
+    assert summary.suspected_hardware is None and not summary.stopped_early
+    assert summary.final_loss == clean_summary.final_loss and math.isfinite(summary.final_loss)
+    a, b = trainer.state_dict_for_compare(), clean.state_dict_for_compare()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

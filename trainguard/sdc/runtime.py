@@ -3,8 +3,10 @@
 ``attach_from_config(trainer)`` is what ``trainguard train`` calls (via ``run_training(setup=...)``):
 with ``[sdc.dmr] enabled = true`` it verifies every op by dual modular redundancy (``trainguard.sdc.dmr``);
 with ``[sdc.abft] enabled = true`` (or ``[sdc] abft = true``) it protects the model's attention with ABFT (``trainguard.sdc.abft``),
-registers the handle as a step callback (so the check frequencies are applied by step) and exposes the
-per-section counters as metrics (``abft_AS_detected``, ...). Lives in the sdc layer because the trainer
+registers the handle as a step callback (so the check frequencies are applied by step), adds an
+:class:`~trainguard.sdc.abft.guard.ABFTGuard` as a step guard (a fault the checks cannot settle in place
+makes the trainer re-execute the step from its start) and exposes the per-section counters as metrics
+(``abft_AS_detected``, ...). Lives in the sdc layer because the trainer
 sits below it and must not import techniques.
 """
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from trainguard.sdc.abft import ABFTConfig, protect
+from trainguard.sdc.abft.guard import attach_guard
 from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import attach as attach_dmr
 
@@ -35,6 +38,7 @@ def attach_from_config(trainer) -> dict[str, Any]:
     if sdc.abft.enabled:
         handle = protect(trainer.model, sdc.abft)
         trainer.callbacks.append(handle)
+        attach_guard(trainer, handle)  # escalations -> the step is retried (before DMR's guard: cheaper verdict first)
         trainer.metric_sources.append(lambda: abft_metrics(handle))
         handles["abft"] = handle
     if sdc.dmr.enabled:  # after ABFT: DMR verifies the protected kernel's ops too

@@ -115,8 +115,8 @@ def test_detect_only():
     h.add_fault_hook(OneShot(0, "output", float("inf")))
     out = m(x)
     first = [e for e in h.events if e["layer"] == 0]
-    assert [(e["product"], e["kind"]) for e in first] == [("output", "detected")]
-    assert h.total()["corrected"] == 0
+    assert [(e["product"], e["kind"]) for e in first] == [("output", "detected"), ("output", "escalated")]
+    assert h.total()["corrected"] == 0 and h.escalations[0]["product"] == "output"  # the step guard redoes it
     assert not torch.isfinite(out).all()
 
 

@@ -70,7 +70,7 @@ def test_2d_pattern_is_uncorrectable_and_recomputed():
     ref = c.clone()
     c[1, 2:5, 3:6] = float("nan")
     out = cks.resolve(cks.detect(c, a, b))
-    assert out.kind == "uncorrectable" and out.recomputed
+    assert out.kind == "recomputed" and out.recomputed
     assert torch.allclose(c, ref, atol=1e-5)
 
 
@@ -78,7 +78,7 @@ def test_detect_only_leaves_data():
     a, b, _, c = _gemm((2, 16, 8), (8, 16), torch.float32)
     c[0, 0, 0] = float("nan")
     out = cks.resolve(cks.detect(c, a, b), correct=False)
-    assert out.kind == "detected" and torch.isnan(c[0, 0, 0])
+    assert out.kind == "escalated" and torch.isnan(c[0, 0, 0])  # detected, not corrected: the step is redone
 
 
 def test_corrupted_carried_checksum_is_reported_not_applied():
@@ -90,7 +90,7 @@ def test_corrupted_carried_checksum_is_reported_not_applied():
     assert bool(chk.any())
     out = cks.resolve(chk)
     assert torch.equal(c, ref)
-    assert out.kind in ("corrected", "uncorrectable")
+    assert out.kind == "escalated" and "changed after its verification" in out.reason
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -121,4 +121,45 @@ def test_alpha_scaled_product_checked_and_corrected(alpha):
     assert out.kind == "corrected" and torch.allclose(c, ref, atol=1e-4)
     c[0, 1, 3:9, 2:6] = 5.0                      # 2D: uncorrectable, recomputed from A, B and alpha
     out = cks.resolve(cks.detect(c, a, b, alpha=alpha))
-    assert out.kind == "uncorrectable" and out.recomputed and torch.allclose(c, ref, atol=1e-4)
+    assert out.kind == "recomputed" and out.recomputed and torch.allclose(c, ref, atol=1e-4)
+
+
+def test_tight_threshold_catches_what_the_worst_case_bound_misses():
+    a, b, _, c = _gemm((1, 128, 768), (768, 64), torch.float32)
+    chk = cks.detect(c, a, b)
+    tol_j = float(chk.tol[0, 0, 5])
+    worst = tol_j * cks.worst_case_scale(768, 128, torch.float32, 2.0) / cks.tolerance_scale(768, 128, torch.float32, 2.0)
+    assert worst > 20 * tol_j
+    c[0, 17, 5] += 4 * tol_j  # four times the detection threshold, a fifth of the worst-case bound
+    out = cks.resolve(cks.detect(c, a, b))
+    assert out.kind in ("corrected", "recomputed")
+
+
+def test_non_finite_input_escalates_without_recomputing():
+    a, b, _, c = _gemm((2, 16, 8), (8, 16), torch.float32)
+    a[1, 3, 2] = float("nan")
+    c.copy_(torch.matmul(a, b))
+    out = cks.resolve(cks.detect(c, a, b))
+    assert out.kind == "escalated" and out.reason == "non-finite input" and not out.recomputed
+
+
+def test_roundoff_flag_is_a_false_alarm_confirmed_by_an_identical_recomputation():
+    a, b, _, c = _gemm((1, 32, 16), (16, 8), torch.float32)
+    chk = cks.detect(c, a, b, rerun=lambda: torch.matmul(a, b))
+    chk.flag[0, 0, 3] = True  # as if roundoff had crossed the threshold
+    before = c.clone()
+    out = cks.resolve(chk)
+    assert out.kind in ("corrected", "false_alarm") and torch.equal(c, before)
+
+
+def test_recomputation_that_fails_verification_escalates():
+    a, b, _, c = _gemm((1, 16, 8), (8, 16), torch.float32)
+    c[0, 2:6, 3:7] = float("nan")  # 2D: not correctable
+
+    def faulty_rerun():
+        t = torch.matmul(a, b)
+        t[0, 1, 1] += 100.0  # the recomputation is struck too
+        return t
+
+    out = cks.resolve(cks.detect(c, a, b, rerun=faulty_rerun))
+    assert out.kind == "escalated" and out.reason == "recomputation failed verification"

@@ -64,3 +64,16 @@ def test_bad_input():
         optimize_frequencies(-1.0, TARGET)
     with pytest.raises(ConfigError):
         optimize_frequencies(1e-22, TARGET, model="t5")
+
+
+def test_measured_probabilities_and_costs():
+    measured = {e: {"q": 0.9, "k": 0.9, "v": 0.0, "scores": 0.0, "context": 0.0} for e in ("inf", "nan", "near-inf")}
+    p = optimize_frequencies(1e-21, TARGET, phi=measured)  # output takes context's value
+    assert p.met and p.frequencies["CL"] == 0.0 and p.frequencies["O"] == 0.0  # harmless there: never checked
+    costs = {"AS": 4.0, "CL": 1.0, "O": 1.0}
+    q = optimize_frequencies(1e-21, TARGET, section_cost=costs, attention_cost=50.0)
+    assert q.met and q.overhead_fraction_full == pytest.approx(6.0 / 50.0)
+    with pytest.raises(ConfigError):
+        optimize_frequencies(1e-21, TARGET, phi={"inf": {"q": 2.0}})
+    with pytest.raises(ConfigError):
+        optimize_frequencies(1e-21, TARGET, section_cost=costs)  # no attention cost to relate them to

@@ -159,7 +159,17 @@ def test_bench_recovery_is_measured_directly():
         assert key in r and math.isfinite(r[key]), key
     assert r["faults_corrected_in_recovery_runs"] == r["recovery_faults_injected"] == 6
     assert len(r["correction_s"]["all"]) == 6 and r["correction_s"]["median"] > 0
-    assert r["recovery_speedup"] == pytest.approx(r["checkpoint_restore_s"] / r["correction_s"]["median"])
+    # checkpoint/restore: the trainer's DCP load plus the lost steps; ABFT: the correction plus its detection
+    t_plain, corr = r["step_s"]["plain"], r["correction_s"]["median"]
+    assert r["checkpoint_restore_s"] == pytest.approx(r["checkpoint_load_s"] + r["lost_steps_per_fault"] * t_plain)
+    assert r["recovery_speedup_correction_only"] == pytest.approx(r["checkpoint_restore_s"] / corr)
+    assert r["recovery_speedup"] == pytest.approx(r["checkpoint_restore_s"] / (corr + r["detection_cost_per_step"] * t_plain))
+    be = r["break_even_faults_per_step"]
+    assert be == pytest.approx(r["detection_cost_per_step"] * t_plain / (r["checkpoint_restore_s"] - corr))
+    curve = r["net_time_saved"]  # negative below the break-even rate, positive above it
+    for rate, saved in zip(curve["faults_per_step"], curve["fraction_of_step"]):
+        assert (saved > 0) == (rate > be) or abs(rate - be) < 1e-12
+    assert set(r["section_check_cost_s"]) == set(SECTIONS)
     # The paired overhead is the median of the same-slot ratios, inside its own bootstrap interval.
     pairs = r["train_step_overhead_pair_ratios"]
     assert len(pairs) == r["step_pairs"] == 1

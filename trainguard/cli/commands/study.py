@@ -1,6 +1,8 @@
 """``trainguard study attention``: the fault-propagation study (patterns downstream of an INF / NaN /
-near-INF in each attention product, and the probability of a non-trainable state), from injection
-runs on an unprotected model (trainguard.sdc.abft.study). Relies on argparse and rich."""
+near-INF in each attention product, and the probability of a non-trainable state under a few AdamW
+steps), from injection runs on an unprotected model (trainguard.sdc.abft.study), beside the ATTNChecker
+paper's Tables 2 and 4. Relies on argparse and rich.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +14,16 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="study", metavar="WHAT", parser_class=type(p))
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
     a = sub.add_parser("attention", help="how INF / NaN / near-INF in attention products propagate")
-    a.add_argument("--model", default="llama-tiny", help="trainguard LLaMA preset (default llama-tiny)")
+    a.add_argument("--model", default="llama-tiny",
+                   help="HF gpt2, bert, gpt-neo, roberta, llama, mistral, qwen2 (built from config), or a "
+                        "trainguard LLaMA preset (default llama-tiny)")
+    a.add_argument("--size", default="tiny", choices=("tiny", "small", "base"), help="HF model shape (default tiny)")
     a.add_argument("--trials", type=int, default=10, help="injections per (fault, product)")
+    a.add_argument("--steps-after", type=int, default=3,
+                   help="fault-free AdamW steps after the faulty one before judging trainability (default 3)")
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--seq-len", type=int, default=32)
+    a.add_argument("--batch", type=int, default=2)
     add_json_flag(a)
     a.set_defaults(handler=run)
 
@@ -23,13 +31,19 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from trainguard.sdc.abft.study import OBSERVED, run_study
 
-    r = run_study(args.model, args.trials, args.seed, args.seq_len)
+    r = run_study(args.model, args.trials, args.seed, args.seq_len, args.batch, size=args.size,
+                  steps_after=args.steps_after)
     out = err_console if args.json else console
     for fault, rows in r.table.items():
         out.print(table(f"{fault.upper()} injected into (rows) -> pattern observed in (columns); "
-                        f"P(non-trainable) last", [(prod, *(row[o] for o in OBSERVED), f"{r.non_trainable[fault][prod]:.0%}")
-                                                   for prod, row in rows.items()],
-                        columns=("injected", *OBSERVED, "P(NaN)")))
+                        f"P(non-trainable) measured / paper",
+                        [(prod, *(row[o] for o in OBSERVED), f"{r.non_trainable[fault][prod]:.0%}",
+                          "-" if r.paper_non_trainable[fault][prod] is None else f"{r.paper_non_trainable[fault][prod]:.1%}")
+                         for prod, row in rows.items()],
+                        columns=("injected", *OBSERVED, "P", "paper")))
+    out.print(f"Table 2 pattern shapes reproduced: {r.table2_agreement:.0%} of the paper's cells")
+    for m in r.table2_mismatches:
+        out.print(f"  differs: {m}")
     if args.json:
         emit_json(r.to_dict())
     return 0

@@ -1,4 +1,5 @@
-"""Protected multi-head attention: the six GEMMs in three protection sections with checksum passing.
+"""Protected multi-head attention: the six GEMMs in three protection sections with checksum passing, and
+checks on the non-GEMM steps between them (masking, softmax).
 
 Relies on ``torch`` (autograd ``Function``) and :mod:`trainguard.sdc.abft.checksums`.
 
@@ -15,10 +16,26 @@ section costs one host sync (``any()`` over the section's flags); location/corre
 flag, and products downstream of a corrected one are recomputed (from verified inputs, as new autograd
 nodes).
 
+Non-GEMM steps (product names :data:`NONGEMM_PRODUCTS`, fired to fault hooks like the GEMM products):
+
+* ``scaled``: the attention scale is the ``Q K^T`` GEMM's alpha, so the scaling's output *is* the GEMM's
+  output: the hook fires there, before the scores check, which covers it.
+* ``masked``: the scores after the additive mask (the softmax input), written over the verified scores.
+  Where the mask allows a key its value is 0, so the masked row sums over the allowed keys must equal
+  the verified scores' (one reduction before the mask, one after, against the mask's 0/1 pattern).
+* ``probs``: the softmax output. Each row must sum to 1 (a third row of the context check's GEMV, free)
+  and, with a mask, put all of it on allowed keys (one reduction).
+  A flag on ``masked`` or ``probs`` cannot be corrected from checksums: it is escalated to the step guard
+  (the softmax input is gone once the softmax has written over it).
+
 Every product is computed by :class:`ProtectedMatmul`, whose backward computes the two gradient GEMMs and,
 with ``ABFTConfig(backward=True)``, verifies and corrects them with the same checksums. Backward product
 names (for fault hooks, events and counters; counted in their forward product's section) are in
 :data:`BACKWARD_PRODUCTS`.
+
+Grouped-query attention (K / V with fewer heads than Q): the ``g`` query heads that share a key/value
+head are one GEMM operand, ``(B, H_kv, g T, d)`` (a view: no ``repeat_kv`` copy of K or V), so the
+scores and context GEMMs, their checks and their gradients run per key/value head.
 
 Shapes: ``x`` is (batch, seq, hidden) with hidden = heads * head_dim; K/V may be longer than Q (a KV
 cache). Anything else raises :class:`trainguard.errors.ShapeError`; nothing is skipped.
@@ -41,7 +58,10 @@ from trainguard.sdc.abft.layout import stacked_rows
 
 SECTIONS = ("AS", "CL", "O")
 PRODUCTS = ("q", "k", "v", "scores", "context", "output")
-SECTION_OF = {"q": "AS", "k": "AS", "scores": "AS", "v": "CL", "context": "CL", "output": "O"}
+#: products of the non-GEMM steps (see the module docstring)
+NONGEMM_PRODUCTS = ("scaled", "masked", "probs")
+SECTION_OF = {"q": "AS", "k": "AS", "scores": "AS", "v": "CL", "context": "CL", "output": "O",
+              "scaled": "AS", "masked": "AS", "probs": "CL"}
 #: forward product -> (gradient w.r.t. its left operand, gradient w.r.t. its right operand)
 BACKWARD_PRODUCTS = {
     "q": ("grad_q_input", "grad_q_weight"),          # dX = dQ W^Q ;  dW^Q = X^T dQ
@@ -59,12 +79,14 @@ class _Spec:
     """What one protected GEMM computes: ``parts`` = ((product, lo, hi, check_backward), ...), the products as
     column blocks ``[lo, hi)`` of the output (``lo = None``: the whole output is one product). A fused QKV
     projection has three parts. ``alpha`` scales the product (batched GEMMs only: the attention scale of
-    ``Q K^T``, applied by the GEMM rather than by a pass over its output)."""
+    ``Q K^T``, applied by the GEMM rather than by a pass over its output). ``group`` > 1: grouped-query
+    attention, ``group`` query heads per key/value head (the left operand is (B, H, T, k), the right one
+    (B, H / group, ...))."""
 
-    __slots__ = ("alpha", "bt", "layer", "parts", "rt")
+    __slots__ = ("alpha", "bt", "group", "layer", "parts", "rt")
 
-    def __init__(self, rt, layer: int, parts: tuple, bt: bool = False, alpha: float = 1.0):
-        self.rt, self.layer, self.parts, self.bt, self.alpha = rt, layer, parts, bt, alpha
+    def __init__(self, rt, layer: int, parts: tuple, bt: bool = False, alpha: float = 1.0, group: int = 1):
+        self.rt, self.layer, self.parts, self.bt, self.alpha, self.group = rt, layer, parts, bt, alpha, group
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -79,6 +101,45 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
     o3 = out.view(-1, *out.shape[-2:])
     torch.baddbmm(o3, a3, b3, beta=0, alpha=alpha, out=o3)
     return out
+
+
+def _grouped(t: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, H, T, x) -> (B, H / group, group T, x): the query heads that share a key/value head as one operand."""
+    if group == 1:
+        return t
+    b, h, s, x = t.shape
+    return t.reshape(b, h // group, group * s, x)
+
+
+def _ungrouped(t: torch.Tensor, group: int) -> torch.Tensor:
+    if group == 1:
+        return t
+    b, hk, gs, x = t.shape
+    return t.view(b, hk * group, gs // group, x)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, spec: _Spec) -> torch.Tensor:
+    """The GEMM itself (the forward of :class:`ProtectedMatmul`, and its exact recomputation)."""
+    bm = b.transpose(-1, -2) if spec.bt else b
+    if b.dim() == 2:
+        out = torch.empty(*a.shape[:-1], bm.shape[-1], dtype=a.dtype, device=a.device)
+        if bias is not None:
+            torch.addmm(bias, a.reshape(-1, a.shape[-1]), bm, out=out.view(-1, bm.shape[-1]))
+        else:
+            torch.mm(a.reshape(-1, a.shape[-1]), bm, out=out.view(-1, bm.shape[-1]))
+        return out
+    if spec.group > 1:  # written through a grouped view of an output allocated in (B, H, T, n)
+        out = torch.empty(*a.shape[:-1], bm.shape[-1], dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
+        og = _grouped(out, spec.group)
+        ag = _grouped(a, spec.group)
+        if spec.alpha != 1.0:
+            torch.baddbmm(og.view(-1, *og.shape[-2:]), ag.reshape(-1, *ag.shape[-2:]), bm.reshape(-1, *bm.shape[-2:]),
+                          beta=0, alpha=spec.alpha, out=og.view(-1, *og.shape[-2:]))
+        else:
+            torch.matmul(ag, bm, out=og)
+    else:
+        out = _bmm(a, bm, spec.alpha)
+    return out + bias if bias is not None else out
 
 
 @contextlib.contextmanager
@@ -110,8 +171,10 @@ def _resolve_parts(rt, layer: int, checks) -> set:
         for product, lo, hi in subs:
             sub = chk if lo is None else chk.columns(lo, hi)
             if bool(sub.any()):
-                rt.record(layer, product, cks.resolve(sub, **rt.resolve_kw()))
-                changed.add(product)
+                out = cks.resolve(sub, **rt.resolve_kw())
+                rt.record(layer, product, out)
+                if out.kind in (cks.CORRECTED, cks.RECOMPUTED) and (out.fixes or out.recomputed):
+                    changed.add(product)
     return changed
 
 
@@ -133,22 +196,13 @@ class ProtectedMatmul(torch.autograd.Function):
         ctx.save_for_backward(a, b)
         ctx.spec = spec
         ctx.has_bias = bias is not None
-        bm = b.transpose(-1, -2) if spec.bt else b
-        if b.dim() == 2:
-            out = torch.empty(*a.shape[:-1], bm.shape[-1], dtype=a.dtype, device=a.device)
-            if bias is not None:
-                torch.addmm(bias, a.reshape(-1, a.shape[-1]), bm, out=out.view(-1, bm.shape[-1]))
-            else:
-                torch.mm(a.reshape(-1, a.shape[-1]), bm, out=out.view(-1, bm.shape[-1]))
-            return out
-        out = _bmm(a, bm, spec.alpha)
-        return out + bias if bias is not None else out
+        return _product(a, b, bias, spec)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
         spec = ctx.spec
-        rt, layer, parts = spec.rt, spec.layer, spec.parts
+        rt, layer, parts, grp, alpha = spec.rt, spec.layer, spec.parts, spec.group, spec.alpha
         due = [p for p in parts if p[3]]
         fac = rt.cfg.tolerance_factor
         ga = gb = gbias = None
@@ -156,33 +210,51 @@ class ProtectedMatmul(torch.autograd.Function):
         if g.dim() > 2 and not g.is_contiguous():
             g = g.contiguous()  # once, rather than inside each of the two matmuls
         checks = []
+        gg = _grouped(g, grp)
+        if b.dim() == 2 and a.dim() > 2:
+            a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+        else:
+            a2, g2 = _grouped(a, grp), gg
+        # the two checks' GEMVs over the gradient in one pass: 1^T g (check of dA = g B^T) and
+        # (A 1)^T g (check of dB = A^T g, rows of A summed)
+        col_g = exp_b = a_rows = None
+        if due and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            col_g, exp_b, a_rows = _gradient_gemv(gg, g2, a2)
         if ctx.needs_input_grad[0]:
             bt = b if spec.bt else b.transpose(-1, -2)
-            ga = _bmm(g, bt, spec.alpha)
+            ga_g = _bmm(gg, bt, alpha)
+            ga = _ungrouped(ga_g, grp)
             for p in parts:
                 rt.fire(layer, BACKWARD_PRODUCTS[p[0]][0], ga)
             if due:
-                checks.append((cks.detect(ga, g, bt, factor=fac, alpha=spec.alpha),
+                checks.append((cks.detect(ga_g, gg, bt, factor=fac, alpha=alpha, a_col=col_g, carried=False,
+                                          rerun=lambda: _bmm(gg, bt, alpha)),
                                [(BACKWARD_PRODUCTS[due[0][0]][0], None, None)]))
         if ctx.needs_input_grad[1]:
-            if b.dim() == 2 and a.dim() > 2:
-                a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
-            else:
-                a2, g2 = a, g
             at = a2.transpose(-1, -2)
             if spec.bt:  # d(b) = dC^T A, in b's (n, k) layout; its transpose A^T dC is what is checked
-                gb = _bmm(g2.transpose(-1, -2), a2, spec.alpha)
+                gb = _bmm(g2.transpose(-1, -2), a2, alpha)
                 gview = gb.transpose(-1, -2)
+
+                def rerun_b():
+                    return _bmm(g2.transpose(-1, -2), a2, alpha).transpose(-1, -2)
             else:
-                gb = gview = _bmm(at, g2, spec.alpha)
+                gb = gview = _bmm(at, g2, alpha)
+
+                def rerun_b():
+                    return _bmm(at, g2, alpha)
             for p, plo, phi, _ in parts:
                 rt.fire(layer, BACKWARD_PRODUCTS[p][1], gb if plo is None else gview[..., plo:phi])
             if due:
                 lo, hi = due[0][1], due[-1][2]
+                a_col = a_rows
                 if lo is None or (lo == 0 and hi == gview.shape[-1]):
-                    chk = cks.detect(gview, at, g2, factor=fac, alpha=spec.alpha)
+                    chk = cks.detect(gview, at, g2, factor=fac, alpha=alpha, rerun=rerun_b, a_col=a_col,
+                                     carried=False, expected=exp_b)
                 else:
-                    chk = cks.detect(gview[..., lo:hi], at, g2[..., lo:hi], factor=fac, alpha=spec.alpha)
+                    chk = cks.detect(gview[..., lo:hi], at, g2[..., lo:hi], factor=fac, alpha=alpha,
+                                     rerun=lambda: rerun_b()[..., lo:hi], a_col=a_col, carried=False,
+                                     expected=None if exp_b is None else exp_b[..., lo:hi])
                 checks.append((chk, [(BACKWARD_PRODUCTS[p][1], None if plo is None else plo - (lo or 0),
                                       None if plo is None else phi - (lo or 0)) for p, plo, phi, _ in due]))
             if gb.dim() > b.dim():
@@ -195,15 +267,36 @@ class ProtectedMatmul(torch.autograd.Function):
         return ga, gb, gbias, None
 
 
+def _gradient_gemv(gg: torch.Tensor, g2: torch.Tensor, a2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One pass over the output gradient for both backward checks of a node: ``1^T g`` per batch slice of
+    ``gg`` (..., m, n) (the input checksum of ``dA = g B^T``) and ``(A 1)^T g2`` (the predicted checksum of
+    ``dB = A^T g2``, before alpha), fp32. ``g2`` is ``gg`` itself, or its rows flattened over the batch (a
+    2-D weight's gradient sums over the batch): then the per-slice sums are rows of the same GEMV. Also
+    returns ``(A 1)^T`` (``1^T`` of ``A^T``, the second check's input checksum)."""
+    g32 = g2 if g2.dtype == torch.float32 else g2.float()
+    row_sums = a2.sum(-1, dtype=torch.float32).unsqueeze(-2)          # (..., 1, rows of g2)
+    if g2.dim() == gg.dim():
+        both = torch.matmul(torch.cat([torch.ones_like(row_sums), row_sums], -2), g32)
+        return both[..., :1, :], both[..., 1:, :], row_sums
+    nb, m = math.prod(gg.shape[:-2]), gg.shape[-2]
+    sel = torch.zeros(nb + 1, nb * m, dtype=torch.float32, device=g2.device)
+    sel[:nb].view(nb, nb, m)[torch.arange(nb), torch.arange(nb)] = 1.0   # block rows: one per batch slice
+    sel[nb] = row_sums[0]
+    both = torch.matmul(sel, g32)
+    return both[:nb].view(*gg.shape[:-2], 1, gg.shape[-1]), both[nb:], row_sums
+
+
 class _ScaledSoftmax(torch.autograd.Function):
     """``softmax(bias + scale * scores)`` in fp32 without (B, H, T, T) temporaries on CPU: the softmax kernel
     works row by row, so it writes the probabilities over its input. With ``scale = 1`` (the kernel folds
     the attention scale into the ``Q K^T`` GEMM) that input is the scores buffer itself: the product is
     verified by then and no GEMM's backward needs it. Otherwise one logits buffer is made, and the
-    backward scales the softmax gradient in place. ``bias`` is an additive mask (no gradient)."""
+    backward scales the softmax gradient in place. ``bias`` is an additive mask (no gradient).
+    ``between(logits)`` (optional) is called on the softmax input once the mask is added, before the
+    softmax reads it (the ``masked`` hook and check)."""
 
     @staticmethod
-    def forward(ctx, scores, bias, scale):
+    def forward(ctx, scores, bias, scale, between=None):
         cpu32 = scores.dtype == torch.float32 and scores.device.type == "cpu"
         if cpu32 and scale == 1.0:
             logits = scores if bias is None else scores.add_(bias)
@@ -212,6 +305,8 @@ class _ScaledSoftmax(torch.autograd.Function):
             logits = torch.add(bias, scores, alpha=scale) if scale != 1.0 else bias + scores
         else:
             logits = scores * scale if scale != 1.0 else scores
+        if between is not None:
+            between(logits)
         if cpu32:
             probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)
         else:
@@ -226,7 +321,7 @@ class _ScaledSoftmax(torch.autograd.Function):
         gl = torch._softmax_backward_data(g.contiguous(), probs, -1, probs.dtype)
         if ctx.scale != 1.0:
             gl.mul_(ctx.scale)
-        return gl.to(ctx.in_dtype), None, None
+        return gl.to(ctx.in_dtype), None, None, None
 
 
 class _HeadsQKV(torch.autograd.Function):
@@ -284,10 +379,194 @@ def _heads_vec(v: torch.Tensor, h: int, d: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def causal_bias(tq: int, tk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive causal mask (tq, tk): 0 where query i may attend key j (j <= i + tk - tq), -inf elsewhere.
-    Cached (read-only: it is only ever an operand)."""
+    """Additive causal mask (tq, tk): 0 where query i may attend key j (j <= i + tk - tq), the dtype's most
+    negative finite value elsewhere (the softmax gives exactly 0 there, as with -inf, and masked sums stay
+    finite). Cached (read-only: it is only ever an operand)."""
     m = torch.ones(tq, tk, dtype=torch.bool, device=device).triu(tk - tq + 1)
-    return torch.zeros(tq, tk, dtype=dtype, device=device).masked_fill_(m, float("-inf"))
+    return torch.zeros(tq, tk, dtype=dtype, device=device).masked_fill_(m, torch.finfo(dtype).min)
+
+
+def sliding_causal_bias(tq: int, tk: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Causal mask that also hides keys more than ``window - 1`` positions back (Mistral / Qwen2 sliding
+    window, as transformers' ``sliding_window_causal_mask_function``)."""
+    q = torch.arange(tk - tq, tk, device=device)[:, None]
+    k = torch.arange(tk, device=device)[None, :]
+    allowed = (k <= q) & (k > q - window)
+    return torch.zeros(tq, tk, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+class _MaskInfo:
+    """The 0/1 pattern of the keys a mask allows (``allowed``, the mask's shape), the mask's own sum and
+    absolute sum over them (0 for the usual 0 / -inf masks) and which rows allow any key (``rows``).
+    Computed for every call, without a host sync: the same ops in a forward and in its activation-
+    checkpoint recomputation (no cache that the first layer fills and the others read)."""
+
+    __slots__ = ("allowed", "bias_abs", "bias_sum", "rows")
+
+    def __init__(self, bias: torch.Tensor):
+        ok = bias > torch.finfo(bias.dtype).min / 2
+        self.allowed = ok.to(bias.dtype)
+        self.rows = ok.any(-1).to(torch.float32)
+        self.bias_sum = _allowed_sum(bias, self.allowed)
+        self.bias_abs = _allowed_sum(bias.abs(), self.allowed)
+
+
+def _allowed_sum(t: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """fp32 ``sum_j t_ij allowed_ij`` over the last dimension."""
+    if t.dtype == torch.float32 and allowed.dtype == torch.float32:
+        return torch.linalg.vecdot(t, allowed)
+    return torch.sum(t * allowed, -1, dtype=torch.float32)
+
+
+class _Pending:
+    """A flag computed without a host sync (non-GEMM checks), resolved with the section's sync."""
+
+    __slots__ = ("flag", "product", "reason")
+
+    def __init__(self, flag: torch.Tensor, product: str, reason: str):
+        self.flag, self.product, self.reason = flag, product, reason
+
+    def any(self) -> torch.Tensor:
+        return self.flag.any()
+
+
+def _softmax_tolerance(dtype: torch.dtype, tk: int, factor: float) -> float:
+    """Bound on |sum_j p_ij - 1| for a softmax row of ``tk`` probabilities stored in ``dtype`` (each rounded
+    once to it, a few fp32 roundings in exp and the division, the fp32 sum)."""
+    return factor * (cks.unit_roundoff(dtype) + (math.sqrt(tk) + 8) * cks.U_ACC)
+
+
+def _core(rt, layer: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, *, scale: float,
+          bias: torch.Tensor | None, dropout_p: float, due: tuple[bool, bool, bool], bwd: bool, fac: float,
+          k_col: torch.Tensor | None, first_checks: list, recompute_heads: Callable | None,
+          output_fn: Callable | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores, mask, softmax, context (and the output projection through ``output_fn(ctx, hooks) -> (out,
+    check)``) with their checks; ``first_checks`` (the projections' pending checks) join the first sync.
+    ``qh`` (B, H, T, d) and ``kh`` / ``vh`` (B, H_kv, T_k, d), contiguous. Returns (output or context
+    (B, H, T, d), probabilities)."""
+    due_as, due_cl, due_o = due
+    bsz, n_heads, t = qh.shape[0], qh.shape[1], qh.shape[2]
+    n_kv = kh.shape[1]
+    if n_kv == 0 or n_heads % n_kv or vh.shape[1] != n_kv:
+        raise ShapeError(f"protected attention: {n_heads} query heads cannot share {n_kv} key / {vh.shape[1]} "
+                         "value heads")
+    grp = n_heads // n_kv
+
+    def scores_gemm(qh, kh):  # alpha * Q K^T: the attention scale is applied by the GEMM
+        return ProtectedMatmul.apply(qh, kh, None, _Spec(rt, layer, (("scores", None, None, bwd and due_as),),
+                                                         True, scale, grp))
+
+    def scores_check(qh, kh, scores, k_col):
+        # row sums of AS = Q (K^T 1): checked as the columns of AS^T = K Q^T, carrying K's checksum
+        spec = _Spec(rt, layer, (), True, scale, grp)
+        return cks.detect(_grouped(scores, grp).transpose(-1, -2), kh, _grouped(qh, grp).transpose(-1, -2),
+                          a_col=k_col, factor=fac, alpha=scale,
+                          rerun=lambda: _grouped(_product(qh, kh, None, spec), grp).transpose(-1, -2))
+
+    scores = scores_gemm(qh, kh)
+    rt.fire(layer, "scores", scores)
+    rt.fire(layer, "scaled", scores)  # the scale is the GEMM's alpha: the scaling's output is this product
+    scores_chk = scores_check(qh, kh, scores, k_col) if due_as else None
+
+    # ---- one host sync for section AS (and the projections): settle Q, K, V and the scores before the softmax
+    first = [c for c, _ in first_checks] + ([scores_chk] if scores_chk is not None else [])
+    if first and bool(_any(first)):
+        with _slow_path(rt, qh.device):
+            changed = _resolve_parts(rt, layer, first_checks)
+            if changed and recompute_heads is not None:  # downstream of a corrected Q / K / V: new nodes, no hooks
+                qh2, kh2, vh = recompute_heads()
+                if changed & {"q", "k"}:
+                    qh, kh = qh2, kh2
+                    scores = scores_gemm(qh, kh)
+                    scores_chk = scores_check(qh, kh, scores, None) if due_as else None
+            if scores_chk is not None and bool(scores_chk.any()):
+                rt.record(layer, "scores", cks.resolve(scores_chk, **rt.resolve_kw()))
+
+    # ---- mask and softmax (non-GEMM): checked against the verified scores
+    pending: list[_Pending] = []
+    info = _MaskInfo(bias) if bias is not None else None
+    before = None
+    if info is not None and due_as:
+        before = _allowed_sum(scores, info.allowed) + info.bias_sum
+        mag = scores_chk.mag.reshape(bsz, n_heads, t) + info.bias_abs
+        tol_m = cks.threshold(mag, cks.tolerance_scale(0, scores.shape[-1], scores.dtype, fac),
+                              cks.underflow_floor(scores.shape[-1], scores.dtype, fac))
+
+    def between(logits):
+        if info is not None:
+            rt.fire(layer, "masked", logits)
+            if before is not None:
+                dev = (_allowed_sum(logits, info.allowed) - before).abs()
+                pending.append(_Pending(torch.le(dev, tol_m).logical_not_(), "masked",
+                                        "softmax input changed after the scores were verified"))
+
+    if bias is not None and (bias.requires_grad or bias.dim() > scores.dim() or any(
+            b_ not in (1, s_) for b_, s_ in zip(reversed(bias.shape), reversed(scores.shape)))):
+        logits = bias + scores
+        between(logits)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        probs = _ScaledSoftmax.apply(scores, bias, 1.0, between)
+    # the softmax saved its output for backward: a fault in it reaches the backward too, as in hardware
+    # (``.data``: the hook's in-place write is not an autograd-visible modification)
+    rt.fire(layer, "probs", probs.data)
+    probs = probs.to(vh.dtype)
+    tk = probs.shape[-1]
+    tol_p = _softmax_tolerance(probs.dtype, tk, fac)
+    if due_cl and info is not None:  # all of each row on the keys the mask allows
+        dev = (_allowed_sum(probs, info.allowed) - info.rows).abs()
+        pending.append(_Pending(torch.le(dev, tol_p).logical_not_(), "probs", "softmax output leaks onto masked keys"))
+    ones = None
+    if due_cl:
+        if dropout_p > 0.0:  # the context GEMM reads dropped probabilities: sum the softmax output itself
+            dev = (probs.sum(-1, dtype=torch.float32) - 1).abs()
+            pending.append(_Pending(torch.le(dev, tol_p).logical_not_(), "probs", "softmax output rows do not sum to 1"))
+        else:
+            ones = torch.ones(1, tk, dtype=torch.float32, device=probs.device)
+    probs_d = F.dropout(probs, p=dropout_p, training=True) if dropout_p > 0.0 else probs
+
+    # ---- section CL: AP V;  section O: CL W^O  (one host sync for both)
+    ctx_spec = _Spec(rt, layer, (("context", None, None, bwd and due_cl),), group=grp)
+
+    def context_check(ctx, vh, probs_d):
+        # row sums of CL = AP (V 1): columns of CL^T = V^T AP^T; AP >= 0 (also after dropout), so the
+        # exact magnitude AP |V| 1 comes from the same GEMV as the checksum AP (V 1), and so do the
+        # softmax row sums 1^T AP^T when asked for
+        spec = _Spec(rt, layer, (), group=grp)
+        return cks.detect(_grouped(ctx, grp).transpose(-1, -2), vh.transpose(-1, -2),
+                          _grouped(probs_d, grp).transpose(-1, -2), b_nonneg=True, factor=fac, extra_rows=ones,
+                          rerun=lambda: _grouped(_product(probs_d, vh, None, spec), grp).transpose(-1, -2))
+
+    ctx = ProtectedMatmul.apply(probs_d, vh, None, ctx_spec)
+    rt.fire(layer, "context", ctx)
+    ctx_chk = None
+    if due_cl:
+        ctx_chk = context_check(ctx, vh, probs_d)
+        if ones is not None:
+            dev = (ctx_chk.extra - 1).abs()
+            pending.append(_Pending(torch.le(dev, tol_p).logical_not_(), "probs", "softmax output rows do not sum to 1"))
+    out, out_chk = output_fn(ctx, True) if output_fn is not None else (ctx, None)
+    second = [c for c in (ctx_chk, out_chk) if c is not None] + pending
+    if second and bool(_any(second)):
+        with _slow_path(rt, qh.device):
+            bad = [p for p in pending if bool(p.any())]
+            for p in bad[:1]:  # the first non-GEMM flag; what follows from it is downstream
+                rt.escalate(layer, p.product, p.reason)
+            if not bad:
+                if ctx_chk is not None and bool(ctx_chk.any()):
+                    res = cks.resolve(ctx_chk, **rt.resolve_kw())
+                    rt.record(layer, "context", res)
+                    if output_fn is not None and (res.fixes or res.recomputed):
+                        out, out_chk = output_fn(ctx, False)  # from the corrected CL
+                if out_chk is not None and bool(out_chk.any()):
+                    rt.record(layer, "output", cks.resolve(out_chk, **rt.resolve_kw()))
+    return out, probs
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | None, pv: _Proj | None,
@@ -302,9 +581,9 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
     ``pk = pv = None``: ``pq`` is a fused QKV projection (weight (D, 3 H d), columns q | k | v, as GPT-2's
     ``c_attn``): one GEMM and one check for the three products. ``bias_fn(tq, tk, dtype, device)`` returns
     an additive mask broadcastable to the scores (or None), added into the scores buffer; the scores are
-    ``scale * Q K^T`` (the GEMM's alpha); ``mask_fn`` (used if no ``bias_fn``) maps them to masked scores.
-    ``rope`` rotates (B, H, T, d) Q/K; ``kv_update`` maps (k, v) heads to the full (cached) k, v;
-    ``upcast_scores`` computes ``Q K^T`` in fp32.
+    ``scale * Q K^T`` (the GEMM's alpha). ``mask_fn`` (used if no ``bias_fn``) maps scores to masked scores
+    and must be additive (its value at zero scores is used as the bias). ``rope`` rotates (B, H, T, d) Q/K;
+    ``kv_update`` maps (k, v) heads to the full (cached) k, v; ``upcast_scores`` computes ``Q K^T`` in fp32.
     """
     if x.dim() != 3:
         raise ShapeError(f"protected attention expects (batch, seq, hidden) input, got shape {tuple(x.shape)}")
@@ -329,9 +608,7 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
     due_as, due_cl, due_o = rt.due()
     bwd = bool(cfg.backward and cfg.check)
     fac = cfg.tolerance_factor
-    dtype = x.dtype
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
+    dtype = _compute_dtype(x)
 
     def cast(p: _Proj | None) -> _Proj | None:
         if p is None or (p.w.dtype == dtype and (p.bias is None or p.bias.dtype == dtype)):
@@ -341,11 +618,6 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
     with torch.autocast(x.device.type, enabled=False):
         x = x.to(dtype)
         pq, pk, pv, po = cast(pq), cast(pk), cast(pv), cast(po)
-
-        def mm(a, b, bias, product, sec_due):
-            out = ProtectedMatmul.apply(a, b, bias, _Spec(rt, layer, ((product, None, None, bwd and sec_due),)))
-            rt.fire(layer, product, out)
-            return out
 
         # ---- projections: X W^Q, X W^K (section AS), X W^V (section CL)
         proj_checks = []   # [(GemmCheck, [(product, lo, hi)])]
@@ -358,8 +630,8 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
             b_qkv = None if all(b_ is None for b_ in biases) else torch.cat(
                 [b_ if b_ is not None else torch.zeros(hd, dtype=dtype, device=x.device) for b_ in biases])
         blocks = (("q", 0, hd, due_as), ("k", hd, 2 * hd, due_as), ("v", 2 * hd, 3 * hd, due_cl))
-        qkv = ProtectedMatmul.apply(x, w_qkv, b_qkv,
-                                    _Spec(rt, layer, tuple((p, lo, hi, bwd and d) for p, lo, hi, d in blocks), bt))
+        qkv_spec = _Spec(rt, layer, tuple((p, lo, hi, bwd and d) for p, lo, hi, d in blocks), bt)
+        qkv = ProtectedMatmul.apply(x, w_qkv, b_qkv, qkv_spec)
         for p, lo, hi, _ in blocks:
             rt.fire(layer, p, qkv[..., lo:hi])
         q, k, v = qkv[..., :hd], qkv[..., hd:2 * hd], qkv[..., 2 * hd:]
@@ -369,8 +641,10 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
             lo, hi = (0 if due_as else 2 * hd), (3 * hd if due_cl else 2 * hd)
             whole = lo == 0 and hi == 3 * hd
             w_in_out = w_qkv.t() if bt else w_qkv          # (D, 3 H d)
+            raw = (x, w_qkv.detach(), b_qkv, qkv_spec)
             chk = cks.detect(qkv if whole else qkv[..., lo:hi], x, w_in_out if whole else w_in_out[:, lo:hi],
-                             b_qkv if whole or b_qkv is None else b_qkv[lo:hi], factor=fac)
+                             b_qkv if whole or b_qkv is None else b_qkv[lo:hi], factor=fac,
+                             rerun=lambda: _product(*raw)[..., lo:hi])
             proj_checks.append((chk, [(p, plo - lo, phi - lo) for p, plo, phi, d in blocks if d]))
             if due_as:
                 k_col = chk.col[..., hd:2 * hd]
@@ -390,86 +664,100 @@ def protected_attention(rt, layer: int, x: torch.Tensor, pq: _Proj, pk: _Proj | 
                 qh, kh = qh.float(), kh.float()
             return qh.contiguous(), kh.contiguous(), vh.contiguous()
 
-        def scores_check(qh, kh, scores, k_col):
-            # row sums of AS = Q (K^T 1): checked as the columns of AS^T = K Q^T, carrying K's checksum
-            k_col = cks.colsum(kh) if k_col is None else _heads_vec(k_col, n_heads, head_dim)
-            return cks.detect(scores.transpose(-1, -2), kh, qh.transpose(-1, -2), a_col=k_col, factor=fac,
-                              alpha=scale)
-
-        changed = set()
         if kv_update is not None and proj_checks:  # the cache must only ever see verified K / V
             if bool(_any([c for c, _ in proj_checks])):
                 with _slow_path(rt, x.device):
-                    changed = _resolve_parts(rt, layer, proj_checks)
+                    _resolve_parts(rt, layer, proj_checks)
             proj_checks = []
         qh, kh, vh = heads()
-
-        def scores_gemm(qh, kh):  # alpha * Q K^T: the attention scale is applied by the GEMM
-            return ProtectedMatmul.apply(qh, kh, None, _Spec(rt, layer, (("scores", None, None, bwd and due_as),),
-                                                             True, scale))
-
-        scores = scores_gemm(qh, kh)
-        rt.fire(layer, "scores", scores)
-        scores_chk = scores_check(qh, kh, scores, k_col) if due_as else None
-
-        # ---- one host sync for section AS (and X W^V): settle Q, K, V and the scores before the softmax
-        first = [c for c, _ in proj_checks] + ([scores_chk] if scores_chk is not None else [])
-        if first and bool(_any(first)):
-            with _slow_path(rt, x.device):
-                changed = _resolve_parts(rt, layer, proj_checks)
-                if changed:  # recompute downstream of the corrected Q / K / V (new autograd nodes, no hooks)
-                    qh2, kh2, vh = heads()
-                    if changed & {"q", "k"}:
-                        qh, kh = qh2, kh2
-                        scores = scores_gemm(qh, kh)
-                        scores_chk = scores_check(qh, kh, scores, None) if due_as else None
-                if scores_chk is not None and bool(scores_chk.any()):
-                    rt.record(layer, "scores", cks.resolve(scores_chk, **rt.resolve_kw()))
-        bias = bias_fn(scores.shape[-2], scores.shape[-1], scores.dtype, scores.device) if bias_fn else None
-        if bias_fn is None and mask_fn is not None:
-            probs = torch.softmax(mask_fn(scores), dim=-1, dtype=torch.float32)
-        elif bias is not None and (bias.requires_grad or bias.dim() > scores.dim() or any(
-                b_ not in (1, s_) for b_, s_ in zip(reversed(bias.shape), reversed(scores.shape)))):
-            probs = torch.softmax(bias + scores, dim=-1, dtype=torch.float32)
+        tq, tk = qh.shape[-2], kh.shape[-2]
+        sdt = torch.promote_types(qh.dtype, kh.dtype)
+        if bias_fn is not None:
+            bias = bias_fn(tq, tk, sdt, x.device)
+        elif mask_fn is not None:
+            bias = mask_fn(torch.zeros(1, 1, tq, tk, dtype=sdt, device=x.device))
         else:
-            probs = _ScaledSoftmax.apply(scores, bias, 1.0)
-        probs = probs.to(vh.dtype)
-        if dropout_p > 0.0:
-            probs = F.dropout(probs, p=dropout_p, training=True)
-
-        # ---- section CL: AP V;  section O: CL W^O  (one host sync for both)
-        def context_check(ctx, vh, probs):
-            # row sums of CL = AP (V 1): columns of CL^T = V^T AP^T; AP >= 0 (also after dropout), so the
-            # exact magnitude AP |V| 1 comes from the same GEMV as the checksum AP (V 1)
-            return cks.detect(ctx.transpose(-1, -2), vh.transpose(-1, -2), probs.transpose(-1, -2),
-                              b_nonneg=True, factor=fac)
+            bias = None
+        if bias is not None:
+            bias = _finite_bias(bias)
 
         def output(ctx, hooks: bool):
             merged = ctx.transpose(1, 2).reshape(bsz, t, hd)
+            spec = _Spec(rt, layer, (("output", None, None, bwd and due_o),))
+            out = ProtectedMatmul.apply(merged, po.w, po.bias, spec)
             if hooks:
-                out = mm(merged, po.w, po.bias, "output", due_o)
-            else:
-                out = ProtectedMatmul.apply(merged, po.w, po.bias,
-                                            _Spec(rt, layer, (("output", None, None, bwd and due_o),)))
+                rt.fire(layer, "output", out)
             chk = None
             if due_o:
                 # CL's column checksum for CL W^O is encoded from CL (recomputed if CL is corrected)
                 ctx_col, ctx_rn = cks.encode(merged)
-                chk = cks.detect(out, merged, po.w, po.bias, a_col=ctx_col, a_rn=ctx_rn, factor=fac)
+                raw = (merged.detach(), po.w.detach(), po.bias, spec)
+                chk = cks.detect(out, merged, po.w, po.bias, a_col=ctx_col, a_rn=ctx_rn, factor=fac,
+                                 rerun=lambda: _product(*raw))
             return out, chk
 
-        ctx = mm(probs, vh, None, "context", due_cl)
-        ctx_chk = context_check(ctx, vh, probs) if due_cl else None
-        out, out_chk = output(ctx, True)
-        second = [c for c in (ctx_chk, out_chk) if c is not None]
-        if second and bool(_any(second)):
-            with _slow_path(rt, x.device):
-                if ctx_chk is not None and bool(ctx_chk.any()):
-                    rt.record(layer, "context", cks.resolve(ctx_chk, **rt.resolve_kw()))
-                    out, out_chk = output(ctx, False)  # from the corrected CL
-                if out_chk is not None and bool(out_chk.any()):
-                    rt.record(layer, "output", cks.resolve(out_chk, **rt.resolve_kw()))
-    return out, probs
+        return _core(rt, layer, qh, kh, vh, scale=scale, bias=bias, dropout_p=dropout_p,
+                     due=(due_as, due_cl, due_o), bwd=bwd, fac=fac,
+                     k_col=None if k_col is None else _heads_vec(k_col, n_heads, head_dim),
+                     first_checks=proj_checks, recompute_heads=heads, output_fn=output)
+
+
+def _finite_bias(bias: torch.Tensor) -> torch.Tensor:
+    """-inf entries of an additive mask as the dtype's most negative finite value (same softmax; the masked
+    sums of the checks stay finite)."""
+    if bias.is_floating_point():  # (no host sync to find out whether there is any -inf: always clamp)
+        return bias.clamp_min(torch.finfo(bias.dtype).min)
+    return bias
+
+
+def protected_core(rt, layer: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, *, scale: float,
+                   bias: torch.Tensor | None, dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores, mask, softmax and context of already projected (and rotated) heads, every step checked:
+    ``qh`` (B, H, T, d), ``kh`` / ``vh`` (B, H_kv, T_k, d) (grouped-query attention when H_kv < H), ``bias``
+    an additive mask broadcastable to (B, H, T, T_k) or None. Returns (context (B, H, T, d), probs). The
+    projections are checked by :func:`protected_linear` (the transformers attention-interface path)."""
+    if qh.dim() != 4 or kh.dim() != 4 or vh.dim() != 4 or qh.shape[-1] != kh.shape[-1] or kh.shape[-2] != vh.shape[-2]:
+        raise ShapeError(f"protected attention: q {tuple(qh.shape)}, k {tuple(kh.shape)}, v {tuple(vh.shape)} are "
+                         "not (batch, heads, seq, head_dim) with matching sizes")
+    cfg = rt.cfg
+    due = rt.due()
+    dtype = _compute_dtype(qh)
+    with torch.autocast(qh.device.type, enabled=False):
+        qh, kh, vh = (t_.to(dtype).contiguous() for t_ in (qh, kh, vh))
+        if bias is not None:
+            bias = _finite_bias(bias)
+        return _core(rt, layer, qh, kh, vh, scale=scale, bias=bias, dropout_p=dropout_p, due=due,
+                     bwd=bool(cfg.backward and cfg.check), fac=cfg.tolerance_factor, k_col=None, first_checks=[],
+                     recompute_heads=None, output_fn=None)
+
+
+def protected_linear(rt, layer: int, product: str, x: torch.Tensor, lin: torch.nn.Module) -> torch.Tensor:
+    """``lin(x)`` (an ``nn.Linear``) as a protected GEMM named ``product`` (q, k, v or output), verified (and
+    corrected) before it is returned. The input's checksums are shared by the q / k / v projections of one
+    input (cached on ``rt`` for the tensor last seen)."""
+    cfg = rt.cfg
+    sec_due = rt.due()[SECTIONS.index(SECTION_OF[product])]
+    dtype = _compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        x = x.to(dtype)
+        w = lin.weight if lin.weight.dtype == dtype else lin.weight.to(dtype)
+        bias = lin.bias if lin.bias is None or lin.bias.dtype == dtype else lin.bias.to(dtype)
+        spec = _Spec(rt, layer, ((product, None, None, bool(cfg.backward and cfg.check and sec_due)),), True)
+        out = ProtectedMatmul.apply(x, w, bias, spec)
+        rt.fire(layer, product, out)
+        if sec_due:
+            cached = getattr(rt, "_encoded", None)  # (x, its version, checksums); x is held while cached
+            if cached is None or cached[0] is not x or cached[1] != x._version:
+                cached = (x, x._version, cks.encode(x))
+                rt._encoded = cached
+            a_col, a_rn = cached[2]
+            raw = (x.detach(), w.detach(), bias, spec)
+            chk = cks.detect(out, x, w.t(), bias, a_col=a_col, a_rn=a_rn, factor=cfg.tolerance_factor,
+                             rerun=lambda: _product(*raw))
+            if bool(chk.any()):
+                with _slow_path(rt, x.device):
+                    rt.record(layer, product, cks.resolve(chk, **rt.resolve_kw()))
+    return out
 
 
 def default_scale(head_dim: int) -> float:

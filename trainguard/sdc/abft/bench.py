@@ -9,8 +9,24 @@ secondary figure (``*_ratio_of_medians``).
 
 Recovery: one NaN per step, injected into each forward product of a middle layer in turn; the
 correction is timed inside the runtime (``ABFTHandle.correction_seconds``, the slow path a flag
-triggers) and compared with reloading a checkpoint (model + optimizer, from disk) and re-running the
-step. Both modes run under the same host allocator setting (``host_memory``). On CUDA every timed call
+triggers). The alternative it replaces is the trainer's checkpoint/restore: a real DCP checkpoint of the
+same model and optimizer written by :class:`trainguard.train.checkpoint.CheckpointManager`, loaded back
+with its ``load`` (manifest and sha256 verified, as a resumed run does), after which the work since that
+checkpoint is re-executed: with a checkpoint every ``N`` steps (``checkpoint_interval``) a fault loses
+``(N + 1) / 2`` steps on average. The files are on local disk and were just written, so the page cache is
+warm: the restore time is a lower bound (remote storage is slower), which favours checkpoint/restore.
+ABFT pays its detection on every step, fault or not (``detection_cost_per_step``, the paired step
+overhead); per fault it pays the correction. So
+
+    restore cost per fault  = load + (N + 1) / 2 * step
+    ABFT cost per fault     = correction + detection_cost_per_step * step      (the step the fault hits)
+    recovery_speedup        = restore cost per fault / ABFT cost per fault
+    net time saved per step = lambda * (restore cost - correction) - detection_cost_per_step * step
+
+at ``lambda`` faults per step; ABFT beats checkpoint/restore above ``break_even_faults_per_step`` =
+detection cost / (restore cost - correction). ``net_time_saved`` tabulates the saving against lambda
+(``trainguard bench abft --plot`` draws it). Both modes run under the same host allocator setting
+(``host_memory``). On CUDA every timed call
 ends with ``torch.cuda.synchronize()`` (kernels are asynchronous: without it the host time would be the
 launch time); ``host_memory`` concerns the CPU allocator only. Relies on torch,
 transformers (HF models built from config) and rich (progress bar on stderr).
@@ -19,7 +35,6 @@ transformers (HF models built from config) and rich (progress bar on stderr).
 from __future__ import annotations
 
 import math
-import os
 import random
 import statistics
 import tempfile
@@ -29,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from trainguard.errors import ConfigError
-from trainguard.sdc.abft import PRODUCTS, ABFTConfig, protect, unprotect
+from trainguard.sdc.abft import PRODUCTS, SECTIONS, ABFTConfig, protect, unprotect
 from trainguard.sdc.abft.campaign import build, vocab_size
 from trainguard.train.device import device_named
 from trainguard.train.host_memory import host_memory_mode, retain_freed_memory
@@ -45,6 +60,14 @@ def _attention_module(model, name: str):
     if name in ("gpt2", "gpt-neo"):
         att = model.transformer.h[0].attn
         return lambda x: att(x)[0]
+    if name in ("llama", "mistral", "qwen2"):
+        inner = model.model
+        att = inner.layers[0].self_attn
+
+        def run(x):
+            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            return att(x, position_embeddings=inner.rotary_emb(x, pos), attention_mask=None)[0]
+        return run
     enc = model.bert if name == "bert" else model.roberta
     att = enc.encoder.layer[0].attention
     return lambda x: att(x)[0]
@@ -80,14 +103,15 @@ def median_ci95(ratios: list[float], resamples: int = 2000, seed: int = 0) -> tu
 
 def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: int = 5, steps: int = 3,
           size: str = "small", backward_too: bool = True, progress: bool = True,
-          host_memory: str = "default", device: str = "cpu") -> dict[str, Any]:
+          host_memory: str = "default", device: str = "cpu", checkpoint_interval: int = 100) -> dict[str, Any]:
     """Protected vs unprotected, side by side (see the module docstring for the estimators).
 
     ``attention_overhead``: one attention layer, forward + backward (3 slots per round);
     ``train_step_overhead``: forward, backward, AdamW (``steps`` slots per round); ``_with_backward``: the
     backward GEMMs verified too. ``correction_cost_vs_step``: median correction time over the plain step;
-    ``checkpoint_restore_cost_vs_step``: reload model + optimizer and re-run the step, over the plain step;
-    ``recovery_speedup`` = restore time / median correction time. ``correction_cost_vs_step_from_step_medians``
+    ``checkpoint_restore_cost_vs_step``: DCP load + the lost steps at ``checkpoint_interval``, over the plain
+    step; ``recovery_speedup`` and the break-even fault rate as in the module docstring.
+    ``correction_cost_vs_step_from_step_medians``
     (faulty minus clean step medians) is a secondary figure. ``host_memory``: ``retain`` (what the CLI
     uses) keeps freed CPU memory in the process for both modes (:mod:`trainguard.train.host_memory`: glibc
     otherwise page-faults every large buffer again each step, a cost that follows the allocation pattern
@@ -99,6 +123,8 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
 
     if host_memory not in ("retain", "default"):
         raise ConfigError(f"unknown host_memory {host_memory!r} (choose retain or default)")
+    if checkpoint_interval < 1:
+        raise ConfigError(f"checkpoint interval must be >= 1 step, got {checkpoint_interval}")
     dev = device_named(device)
     if host_memory == "retain":
         retain_freed_memory()
@@ -125,7 +151,7 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
         modes["abft+backward"] = ABFTConfig(backward=True)
     n_recovery = max(len(PRODUCTS), rounds)
     n_restore = max(3, rounds)
-    bar = TaskBar(progress, f"bench abft {model_name}", 1 + rounds * (3 + steps) + n_recovery + n_restore,
+    bar = TaskBar(progress, f"bench abft {model_name}", 1 + rounds * (3 + steps) + rounds + n_recovery + n_restore,
                   refresh_per_second=2)
     t_step: dict[str, list[float]] = {m: [] for m in modes}
     t_att: dict[str, list[float]] = {m: [] for m in modes}
@@ -158,8 +184,9 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
                     acc[mode].append(statistics.median(ts))
                     if mode in pairs:
                         pairs[mode] += [t / p for t, p in zip(ts, per["plain"])]
+        section_cost = _section_costs(model, attention, rounds, bar, timed)
         recovery = _recovery(model, step, n_recovery, bar, timed)
-        restore = _restore_cost(model, opt, step, n_restore, bar, timed, dev)
+        restore = _dcp_restore(model, model_name, opt, n_restore, bar, timed)
     finally:
         bar.stop()
 
@@ -169,16 +196,39 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
     corr = recovery["corr"]
     correction = statistics.median(corr) if corr else math.nan
     step_diff = max(statistics.median(recovery["faulty"]) - statistics.median(recovery["clean"]), 0.0)
+    detection = max(statistics.median(pair_step["abft"]) - 1, 0.0)   # fraction of a plain step
+    lost = (checkpoint_interval + 1) / 2
+    restore_per_fault = restore["load_s"] + lost * t_plain
+    abft_per_fault = correction + detection * t_plain
+    gain = restore_per_fault - correction
+    break_even = detection * t_plain / gain if gain > 0 else math.inf
+    rates = [10.0 ** (e / 4) for e in range(-24, 1)]  # 1e-6 .. 1 faults per step
     out: dict[str, Any] = {
         "model": model_name, "size": size, "batch": batch, "seq_len": seq_len, "rounds": rounds, "steps": steps,
         "device": dev.type, "threads": torch.get_num_threads(), "host_memory": host_memory_mode(),
         "correction_cost_vs_step": correction / t_plain,
-        "checkpoint_restore_cost_vs_step": restore / t_plain,
-        "recovery_speedup": restore / correction if corr else math.nan,
+        "checkpoint_interval": checkpoint_interval,
+        "lost_steps_per_fault": lost,
+        "checkpoint_restore_method": "trainguard.train.checkpoint.CheckpointManager (DCP) save + load, local disk, "
+                                     "page cache warm (a lower bound on restore time)",
+        "checkpoint_load_s": restore["load_s"], "checkpoint_save_s": restore["save_s"],
+        "checkpoint_bytes": restore["bytes"],
+        "checkpoint_restore_cost_vs_step": restore_per_fault / t_plain,
+        "detection_cost_per_step": detection,
+        "abft_cost_per_fault_vs_step": abft_per_fault / t_plain,
+        "recovery_speedup": restore_per_fault / abft_per_fault if corr else math.nan,
+        "recovery_speedup_correction_only": restore_per_fault / correction if corr else math.nan,
+        "recovery_speedup_interval_1": (restore["load_s"] + t_plain) / abft_per_fault if corr else math.nan,
+        "break_even_faults_per_step": break_even,
+        "break_even_steps_per_fault": 1 / break_even if break_even > 0 else math.inf,
+        "net_time_saved": {"faults_per_step": rates,
+                           "fraction_of_step": [(r * gain - detection * t_plain) / t_plain for r in rates]},
+        "section_check_cost_s": section_cost,
+        "section_check_cost_vs_attention": {s: c / med_att["plain"] for s, c in section_cost.items()},
         "faults_corrected_in_recovery_runs": recovery["corrected"],
         "recovery_faults_injected": len(recovery["faulty"]),
         "correction_s": {"median": correction, "max": max(corr) if corr else math.nan, "all": corr},
-        "checkpoint_restore_s": restore,
+        "checkpoint_restore_s": restore_per_fault,
         "correction_cost_vs_step_from_step_medians": step_diff / t_plain,
         "step_s": med, "attention_s": med_att,
         "step_rounds_s": t_step, "attention_rounds_s": t_att,
@@ -193,6 +243,28 @@ def bench(model_name: str = "gpt2", batch: int = 8, seq_len: int = 128, rounds: 
             out[key + suffix + "_ratio_of_medians"] = meds[mode] / meds["plain"] - 1
             out[key + suffix + "_pair_ratios"] = pairs[mode]
     return out
+
+
+def _section_costs(model, attention, rounds: int, bar: TaskBar,
+                   timed: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
+    """Seconds one attention layer (forward + backward) spends checking each section alone: per slot the
+    kernel runs with its checks off and with only section S due, back to back (order flipped every slot);
+    the cost is the median over slots of the paired difference (for ``plan abft --costs-from``)."""
+    cfgs = {"off": ABFTConfig(check=False), "AS": ABFTConfig(frequencies=(1.0, 0.0, 0.0)),
+            "CL": ABFTConfig(frequencies=(0.0, 1.0, 0.0)), "O": ABFTConfig(frequencies=(0.0, 0.0, 1.0))}
+    diffs: dict[str, list[float]] = {s: [] for s in SECTIONS}
+    for r in range(rounds):
+        for i in range(3):
+            order = list(cfgs) if (r + i) % 2 == 0 else list(reversed(list(cfgs)))
+            t = {}
+            for mode in order:
+                protect(model, cfgs[mode])
+                t[mode] = timed(attention)
+                unprotect(model)
+            for s_ in SECTIONS:
+                diffs[s_].append(t[s_] - t["off"])
+        bar.advance(f"round {r + 1}/{rounds} section costs")
+    return {s_: max(statistics.median(v), 0.0) for s_, v in diffs.items()}
 
 
 def _recovery(model, step, n: int, bar: TaskBar, timed: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
@@ -229,21 +301,24 @@ def _recovery(model, step, n: int, bar: TaskBar, timed: Callable[[Callable[[], A
     return {"clean": clean, "faulty": faulty, "corr": corr, "corrected": corrected}
 
 
-def _restore_cost(model, opt, step, n: int, bar: TaskBar, timed: Callable[[Callable[[], Any]], float],
-                  device: torch.device) -> float:
-    """Median time to reload model + optimizer from a checkpoint on disk and re-run the step."""
+def _dcp_restore(model, model_name: str, opt, n: int, bar: TaskBar,
+                 timed: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
+    """A real checkpoint of ``model`` + ``opt`` written by the trainer's ``CheckpointManager`` (DCP), then
+    ``n`` timed ``load`` calls (median)."""
+    from trainguard.train.checkpoint import CheckpointManager
+
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "ckpt.pt")
-        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+        mgr = CheckpointManager(d, keep=1)
+        path = None
 
-        def restore_and_rerun():
-            ck = torch.load(path, map_location=device)
-            model.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optim"])
-            step()
+        def save():
+            nonlocal path
+            path = mgr.save(0, model, opt, None, {"model": model_name}, {"step": 0})
 
+        save_s = timed(save)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         times = []
         for i in range(n):
-            times.append(timed(restore_and_rerun))
+            times.append(timed(lambda: mgr.load(path, model, opt)))
             bar.advance(f"checkpoint restore {i + 1}/{n}")
-    return statistics.median(times)
+    return {"load_s": statistics.median(times), "save_s": save_s, "bytes": size}

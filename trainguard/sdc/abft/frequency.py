@@ -21,9 +21,12 @@ Algorithm 1 then spends overhead on sections in decreasing FCE until the target 
 returns f_S = t_S / T_S. FC is combined additively as in the paper (exact to first order, since every
 1 - FC_S is tiny).
 
-Section costs T_S default to the checksum work of ATTNChecker's scheme (O(mk + kn + mn) per GEMM of
-m x k by k x n, relative to the section's own GEMM flops); pass measured costs when you have them.
-Relies on the standard library only.
+Inputs that can be measured instead of typed in: ``phi`` (the probabilities ``trainguard study
+attention`` measures, ``StudyResult.phi()``; default: the paper's Table 4, :data:`PAPER_PHI`) and
+``section_cost`` (seconds per attention layer of checking each section, as ``trainguard bench abft``
+measures them, ``section_check_cost_s``, with ``attention_cost`` the unchecked attention's own time in the
+same unit; default: the checksum work of ATTNChecker's scheme, O(mk + kn + mn) per GEMM of m x k by
+k x n, relative to the attention GEMMs' flops). Relies on the standard library only.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ SECTION_OPS = {"AS": ("q", "k", "scores"), "CL": ("v", "context"), "O": ("output
 
 # Table 4 of the ATTNChecker paper: probability that one error makes training non-trainable (NaN loss).
 # The output projection O is not in the table: it feeds the residual stream like CL, so CL's row is used.
-PHI_TABLE: dict[str, dict[str, dict[str, float]]] = {
+PAPER_PHI: dict[str, dict[str, dict[str, float]]] = {
     "bert": {"inf": dict(q=1.0, k=1.0, v=1.0, scores=1.0, context=1.0),
              "nan": dict(q=1.0, k=1.0, v=1.0, scores=1.0, context=1.0),
              "near-inf": dict(q=0.459, k=0.434, v=0.063, scores=0.002, context=0.006)},
@@ -52,10 +55,11 @@ PHI_TABLE: dict[str, dict[str, dict[str, float]]] = {
                 "nan": dict(q=1.0, k=1.0, v=1.0, scores=1.0, context=1.0),
                 "near-inf": dict(q=0.540, k=0.499, v=0.036, scores=0.055, context=0.004)},
 }
-for _t in PHI_TABLE.values():
+for _t in PAPER_PHI.values():
     for _e in _t.values():
         _e["output"] = _e["context"]
-PHI_TABLE["llama"] = PHI_TABLE["gpt2"]  # decoder-only with causal attention: GPT-2's profile
+PAPER_PHI["llama"] = PAPER_PHI["gpt2"]  # decoder-only with causal attention: GPT-2's profile
+PHI_TABLE = PAPER_PHI  # (earlier name)
 
 
 @dataclass
@@ -134,18 +138,45 @@ def coverage(freqs: dict[str, float], terms) -> float:
     return fc
 
 
+def check_phi(phi: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Validate measured probabilities (fault -> product -> P(non-trainable) in [0, 1]); a missing
+    ``output`` takes ``context``'s value (as in the paper's table, which has no O row)."""
+    out = {}
+    for e in ERROR_TYPES:
+        row = dict(phi.get(e) or {})
+        if "output" not in row and "context" in row:
+            row["output"] = row["context"]
+        missing = [op for ops in SECTION_OPS.values() for op in ops if op not in row]
+        if missing:
+            raise ConfigError(f"non-trainable probabilities for {e} lack {', '.join(missing)}")
+        if any(not (0.0 <= float(v) <= 1.0) for v in row.values()):
+            raise ConfigError(f"non-trainable probabilities for {e} must be in [0, 1]")
+        out[e] = {k: float(v) for k, v in row.items()}
+    return out
+
+
 def optimize_frequencies(error_rate: float | dict[str, float], target_coverage: float,
                          shape: AttentionShape | None = None, model: str = "gpt2",
-                         section_cost: dict[str, float] | None = None) -> FrequencyPlan:
-    """Algorithm 1: greedy allocation of ABFT time by fault-coverage efficiency."""
+                         section_cost: dict[str, float] | None = None,
+                         phi: dict[str, dict[str, float]] | None = None,
+                         attention_cost: float | None = None) -> FrequencyPlan:
+    """Algorithm 1: greedy allocation of ABFT time by fault-coverage efficiency. ``phi``: measured
+    non-trainable probabilities (default: the paper's, :data:`PAPER_PHI` of ``model``);
+    ``section_cost`` / ``attention_cost``: measured costs (default: flop estimates)."""
     if not 0.0 < target_coverage < 1.0:
         raise ConfigError(f"target coverage must be in (0, 1), got {target_coverage}")
-    if model not in PHI_TABLE:
-        raise ConfigError(f"no vulnerability profile for model {model!r} (have {', '.join(PHI_TABLE)})")
+    if phi is None and model not in PAPER_PHI:
+        raise ConfigError(f"no vulnerability profile for model {model!r} (have {', '.join(PAPER_PHI)})")
     shape = shape or AttentionShape()
     rates = _rates(error_rate)
-    phi = PHI_TABLE[model]
+    phi = check_phi(phi) if phi is not None else PAPER_PHI[model]
     terms = section_terms(shape, rates, phi)
+    if section_cost is not None:
+        if set(section_cost) != set(SECTION_OPS) or any(not (float(c) >= 0 and math.isfinite(float(c)))
+                                                       for c in section_cost.values()):
+            raise ConfigError(f"section costs must be finite and >= 0 for {', '.join(SECTION_OPS)}")
+        if attention_cost is None or not attention_cost > 0:
+            raise ConfigError("measured section costs need the attention's own cost in the same unit (> 0)")
     cost = section_cost or shape.checksum_cost()
     fce = {s: terms[s][2] / cost[s] if cost[s] > 0 else 0.0 for s in SECTION_OPS}
     zero = {s: 0.0 for s in SECTION_OPS}
@@ -174,7 +205,7 @@ def optimize_frequencies(error_rate: float | dict[str, float], target_coverage: 
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if coverage({**freqs, sec: mid}, terms) < target_coverage else (lo, mid)
         freqs[sec] = hi
-    attention_flops = sum(shape.flops().values())
+    attention_flops = attention_cost if section_cost is not None else sum(shape.flops().values())
     full = {s: 1.0 for s in SECTION_OPS}
     achieved = coverage(freqs, terms)
     return FrequencyPlan(

@@ -9,25 +9,32 @@ one) iff ``floor((i + 1) f_s) > floor(i f_s)``: exactly ``round-down((i+1) f)`` 
 are checked, evenly spread (f = 1: every step; 0.5: steps 1, 3, 5, ...; 0: never). The step stays where it
 was set until the next ``set_step``. The forward decides; a backward pass uses its forward's decision.
 
-Counters count product checks, per section: ``detected`` (a product whose checksum was flagged),
-``corrected`` (fixed by EEC-ABFT, including a corrupted checksum), ``uncorrectable`` (a pattern EEC-ABFT
-cannot fix, e.g. 2D) and ``recomputed`` (then recomputed from its verified inputs). ``events`` holds one
-dict per detection and per corrected element (capped at ``ABFTConfig.max_events``).
+Counters count product checks, per section: ``detected`` (a product whose check was flagged, GEMM or
+non-GEMM), ``corrected`` (fixed by EEC-ABFT and verified against checksums the correction did not use;
+also a flag caused by a corrupted checksum), ``uncorrectable`` (no verified correction), ``recomputed``
+(then recomputed and the recomputation verified), ``escalated`` (neither: the inputs were already
+non-finite, the recomputation failed, or a non-GEMM check flagged; reported to the step guard, which
+re-executes the step) and ``false_alarms`` (roundoff above the detection threshold, confirmed by a
+bitwise-identical recomputation). ``detected = corrected + recomputed + escalated + false_alarms``.
+``escalations`` lists the escalations of the current attempt (``begin_attempt`` clears it; the step
+guard of :mod:`trainguard.sdc.abft.guard` does so before every attempt and turns a non-empty list into
+a retry verdict). ``events`` holds one dict per detection, per corrected element and per escalation
+(capped at ``ABFTConfig.max_events``).
 ``correction_seconds`` accumulates the wall time of the slow path (everything a flag triggers: location,
 EEC-ABFT correction, recomputation of uncorrectable and downstream products; host clock, so on CUDA it
 includes the syncs the slow path makes).
 
 Fault hooks ``fn(layer_idx, product, tensor) -> Tensor | None`` see each product right after its GEMM and
 before verification, under ``torch.no_grad``; a returned tensor is copied into the product in place (the
-autograd graph is the GEMM's, as for a real hardware fault). Forward products are :data:`PRODUCTS`;
-backward ones :data:`BACKWARD_PRODUCTS` (fired whenever hooks exist, verified with ``backward=True``).
-Recomputations do not call hooks.
+autograd graph is the GEMM's, as for a real hardware fault). Forward products are :data:`PRODUCTS`, the
+non-GEMM steps :data:`NONGEMM_PRODUCTS` (scaled scores, masked scores, softmax output); backward ones
+:data:`BACKWARD_PRODUCTS` (fired whenever hooks exist, verified with ``backward=True``). Recomputations
+do not call hooks.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -36,8 +43,17 @@ from torch import nn
 
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.models.products import ProductHooks, product_hooks
+from trainguard.sdc.abft import checksums as cks
 from trainguard.sdc.abft import eec
-from trainguard.sdc.abft.attention import PRODUCTS, SECTION_OF, SECTIONS, causal_bias, linear_proj, protected_attention
+from trainguard.sdc.abft.attention import (
+    NONGEMM_PRODUCTS,
+    PRODUCTS,
+    SECTION_OF,
+    SECTIONS,
+    causal_bias,
+    linear_proj,
+    protected_attention,
+)
 from trainguard.sdc.abft.checksums import Outcome
 from trainguard.sdc.abft.layout import share_storage
 
@@ -77,8 +93,12 @@ def section_due(step: int, f: float) -> bool:
     return math.floor((step + 1) * f + 1e-12) > math.floor(step * f + 1e-12)
 
 
+COUNTERS = ("detected", "corrected", "uncorrectable", "recomputed", "escalated", "false_alarms")
+MAX_ESCALATIONS = 1000  # per attempt (the first is what the guard reports)
+
+
 def _zero() -> dict[str, int]:
-    return {"detected": 0, "corrected": 0, "uncorrectable": 0, "recomputed": 0}
+    return dict.fromkeys(COUNTERS, 0)
 
 
 @dataclass
@@ -95,12 +115,25 @@ class ABFTHandle:
     n_layers: int = 0
     #: wall time spent in the slow path (location, correction, recomputation after a flag), perf_counter
     correction_seconds: float = 0.0
+    #: escalations of the current attempt: {step, layer, section, product, reason}
+    escalations: list = field(default_factory=list)
+    #: steps re-executed because of an escalation (counted by the step guard)
+    retries: int = 0
+    _pieces: dict = field(default_factory=dict)   # HF attention-interface path: pieces that ran, per layer
+    _hooks: list = field(default_factory=list)    # module hooks to remove on unprotect
+    _attn_impl: str | None = None                 # the model's attention implementation before protect
 
     # -- public API
     def reset_counters(self) -> None:
         self.counters = {s: _zero() for s in SECTIONS}
         self.events = []
         self.correction_seconds = 0.0
+        self.escalations = []
+        self.retries = 0
+
+    def begin_attempt(self) -> None:
+        """A new attempt of a step starts: forget the previous attempt's escalations."""
+        self.escalations = []
 
     def total(self) -> dict[str, int]:
         tot = _zero()
@@ -114,6 +147,7 @@ class ABFTHandle:
 
     def on_step_start(self, trainer, step: int) -> None:  # Trainer callback
         self.set_step(step)
+        self.begin_attempt()
 
     def add_fault_hook(self, fn: FaultHook) -> Callable[[], None]:
         """Same as ``trainguard.models.products.product_hooks(model).add(fn)`` (the one injection path)."""
@@ -125,6 +159,11 @@ class ABFTHandle:
         return tuple(section_due(self.step, f) for f in self.cfg.frequencies)
 
     # -- used by the kernel
+    def _ran(self, layer: int, piece: str) -> None:
+        seen = self._pieces.get(layer)
+        if seen is not None:
+            seen.add(piece)
+
     def fire(self, layer: int, product: str, t: torch.Tensor) -> None:
         """The model's product hooks (fault injection) on a product right after its GEMM, in place."""
         if self._products:
@@ -140,26 +179,18 @@ class ABFTHandle:
         return dict(correct=self.cfg.correct, recompute=self.cfg.recompute, near_inf=self.cfg.near_inf,
                     t_correct=self.cfg.correct_threshold)
 
-    def verify(self, layer: int, product: str, chk) -> None:
-        """Backward-pass products: detect (one sync) and resolve."""
-        from trainguard.sdc.abft import checksums as cks
-
-        if bool(chk.any()):
-            t0 = time.perf_counter()
-            self.record(layer, product, cks.resolve(chk, **self.resolve_kw()))
-            self.correction_seconds += time.perf_counter() - t0
-
     def _event(self, **kw) -> None:
         if len(self.events) < self.cfg.max_events:
             self.events.append(kw)
 
     def record(self, layer: int, product: str, out: Outcome) -> None:
+        """Count and log what the slow path did to one flagged product (see the module docstring)."""
         sec = SECTION_OF[product]
         c = self.counters[sec]
         c["detected"] += 1
         self._event(step=self.step, layer=layer, section=sec, product=product, kind="detected",
                     location=out.first, old=None, new=None, flagged=out.flagged)
-        if out.kind == "corrected":
+        if out.kind == cks.CORRECTED:
             c["corrected"] += 1
             for f in out.fixes:
                 self._event(step=self.step, layer=layer, section=sec, product=product, kind="corrected",
@@ -167,12 +198,37 @@ class ABFTHandle:
             if out.checksum_errors and not out.fixes:
                 self._event(step=self.step, layer=layer, section=sec, product=product, kind="corrected",
                             location="checksum", old=None, new=None)
-        elif out.kind == "uncorrectable":
-            c["uncorrectable"] += 1
-            self._event(step=self.step, layer=layer, section=sec, product=product, kind="uncorrectable",
-                        location=out.first, old=None, new=None, recomputed=out.recomputed)
-            if out.recomputed:
-                c["recomputed"] += 1
+            return
+        if out.kind == cks.FALSE_ALARM:
+            c["false_alarms"] += 1
+            self._event(step=self.step, layer=layer, section=sec, product=product, kind="false_alarm",
+                        location=out.first, old=None, new=None)
+            return
+        c["uncorrectable"] += 1
+        if out.kind == cks.RECOMPUTED:
+            c["recomputed"] += 1
+            self._event(step=self.step, layer=layer, section=sec, product=product, kind="recomputed",
+                        location=out.first, old=None, new=None, rejected=out.rejected)
+        else:
+            self._escalated(layer, product, out.reason, out.first)
+
+    def escalate(self, layer: int, product: str, reason: str, location=None) -> None:
+        """A flag that no correction or recomputation here can settle (a non-GEMM check): report it."""
+        sec = SECTION_OF[product]
+        self.counters[sec]["detected"] += 1
+        self.counters[sec]["uncorrectable"] += 1
+        self._event(step=self.step, layer=layer, section=sec, product=product, kind="detected",
+                    location=location, old=None, new=None)
+        self._escalated(layer, product, reason, location)
+
+    def _escalated(self, layer: int, product: str, reason: str, location) -> None:
+        sec = SECTION_OF[product]
+        self.counters[sec]["escalated"] += 1
+        self._event(step=self.step, layer=layer, section=sec, product=product, kind="escalated",
+                    location=location, old=None, new=None, reason=reason)
+        if len(self.escalations) < MAX_ESCALATIONS:
+            self.escalations.append({"step": self.step, "layer": layer, "section": sec, "product": product,
+                                     "reason": reason})
 
 
 # ---------------------------------------------------------------- LLaMA (trainguard.models.llama)
@@ -247,4 +303,4 @@ def handle_of(model: nn.Module) -> ABFTHandle | None:
     return getattr(model, _ATTR, None)
 
 
-__all__ = ["PRODUCTS", "SECTIONS", "ABFTConfig", "ABFTHandle", "handle_of", "protect", "section_due", "unprotect"]
+__all__ = ["NONGEMM_PRODUCTS", "PRODUCTS", "SECTIONS", "ABFTConfig", "ABFTHandle", "handle_of", "protect", "section_due", "unprotect"]

@@ -1,14 +1,23 @@
-"""Fault-propagation study (ATTNChecker Sec. 3, Tables 2 and 4) on trainguard's LLaMA model.
+"""Fault-propagation study (ATTNChecker Sec. 3, Tables 2 and 4) on HF GPT-2, BERT, GPT-Neo, RoBERTa and
+Llama, and on trainguard's LLaMA presets.
 
 For each attention product (q, k, v, scores = AS, context = CL, output = O) and fault type (INF, NaN,
-near-INF), one element of that product is corrupted in one layer of an *unprotected* forward pass; the
-pattern of abnormal values (non-finite, or |x| > 1e10) is then read off every downstream matrix of
-that layer: Q, K, V, AS, AP (softmax probabilities), CL, O. Patterns: ``0D`` (one element), ``1R``
-(one row), ``1C`` (one column), ``2D`` (several rows and columns), ``-`` (none), reported with the
-abnormal value types seen (INF / NaN / nINF). Matrices are the per-(batch, head) 2-D slices the paper
-uses (rows = query tokens). The non-trainable probability is the fraction of injections after which a
-training step's loss is NaN/INF or any parameter is non-finite. Relies on torch and the product hooks
-of ``trainguard.models.llama.Attention``.
+near-INF), one element of that product is corrupted in one layer of a training step of an *unprotected*
+model (the protected kernel with its checks off, ``ABFTConfig(check=False)``: the same computation, and
+its product hooks reach every product and the softmax output); the pattern of abnormal values
+(non-finite, or |x| > 1e10) is then read off every downstream matrix of that layer: Q, K, V, AS, AP
+(softmax probabilities), CL, O. Patterns: ``0D`` (one element), ``1R`` (one row), ``1C`` (one column),
+``2D`` (several rows and columns), ``-`` (none), with the abnormal value types seen (INF / NaN / nINF).
+Matrices are the per-(batch, head) 2-D slices the paper uses (rows = query tokens; K and V split by
+their own, possibly fewer, key/value heads).
+
+Non-trainable (Table 4): the faulty step is followed by ``steps_after`` fault-free AdamW steps (fresh
+optimizer state per trial, on new batches); the trial is non-trainable if any of those steps' loss is
+NaN/INF or any parameter is non-finite at the end. One SGD step (the previous criterion) under-counts:
+a NaN or a huge value that reaches AdamW's second moments does its damage on the following steps.
+The paper's Tables 2 and 4 are in :data:`PAPER_TABLE2` / ``frequency.PHI_TABLE``; ``StudyResult`` reports
+the measured probabilities beside them and the share of Table 2's pattern shapes reproduced.
+Relies on torch and transformers (HF models built from config).
 """
 
 from __future__ import annotations
@@ -24,8 +33,20 @@ from trainguard.faults.bits import FaultModel
 
 PRODUCTS = ("q", "k", "v", "scores", "context", "output")
 OBSERVED = ("Q", "K", "V", "AS", "AP", "CL", "O")
-_NAME = {"q": "Q", "k": "K", "v": "V", "scores": "AS", "context": "CL", "output": "O"}
+_NAME = {"q": "Q", "k": "K", "v": "V", "scores": "AS", "probs": "AP", "context": "CL", "output": "O"}
 NEAR_INF = 1e10
+MODELS = ("gpt2", "bert", "gpt-neo", "roberta", "llama", "mistral", "qwen2")
+
+#: ATTNChecker Table 2 (all four models): pattern shape of each downstream matrix, by fault type and the
+#: matrix the fault was injected into (value types vary by model and are not compared)
+PAPER_TABLE2: dict[str, dict[str, dict[str, str]]] = {
+    fault: {"Q": {"AS": "1R", "AP": "1R", "CL": "1R", "O": "1R"},
+            "K": {"AS": "1C", "AP": "2D", "CL": "2D", "O": "2D"},
+            "V": {"CL": "1C", "O": "2D"},
+            "AS": {"AP": "1R", "CL": "1R", "O": "1R"},
+            "CL": {"O": "1R"}}
+    for fault in ("inf", "nan", "near-inf")
+}
 
 
 def pattern(t: torch.Tensor, heads: int | None) -> tuple[str, set[str]]:
@@ -56,77 +77,117 @@ def pattern(t: torch.Tensor, heads: int | None) -> tuple[str, set[str]]:
 class StudyResult:
     model: str
     trials: int
+    steps_after: int = 0
     table: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)  # fault -> product -> observed -> pattern
     non_trainable: dict[str, dict[str, float]] = field(default_factory=dict)  # fault -> product -> probability
+    paper_non_trainable: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    table2_agreement: float = math.nan   # share of the paper's Table 2 cells whose pattern shape is reproduced
+    table2_mismatches: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "trials": self.trials, "table": self.table, "non_trainable": self.non_trainable}
+        return {"model": self.model, "trials": self.trials, "steps_after": self.steps_after, "table": self.table,
+                "non_trainable": self.non_trainable, "paper_non_trainable": self.paper_non_trainable,
+                "table2_agreement": self.table2_agreement, "table2_mismatches": self.table2_mismatches}
+
+    def phi(self) -> dict[str, dict[str, float]]:
+        """The measured probabilities as ``frequency.optimize_frequencies(phi=...)`` takes them
+        (fault -> product name -> probability)."""
+        inv = {v: k for k, v in _NAME.items()}
+        return {f: {inv[p]: v for p, v in row.items()} for f, row in self.non_trainable.items()}
+
+
+def _heads(model) -> tuple[int, int]:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return model.cfg.n_heads, model.cfg.n_heads
+    h = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None) or cfg.num_heads
+    return int(h), int(getattr(cfg, "num_key_value_heads", None) or h)
+
+
+def _paper_phi(model_name: str) -> dict[str, dict[str, float | None]]:
+    from trainguard.sdc.abft.frequency import PAPER_PHI
+
+    key = {"gpt2": "gpt2", "bert": "bert", "gpt-neo": "gpt-neo", "roberta": "roberta"}.get(model_name)
+    table = PAPER_PHI.get(key) if key else None
+    return {f: {_NAME[p]: (table[f][p] if table and p in table[f] else None) for p in PRODUCTS}
+            for f in ("inf", "nan", "near-inf")}
 
 
 def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, seq_len: int = 32, batch: int = 2,
-              faults: tuple[str, ...] = ("inf", "nan", "near-inf"), progress: bool = True) -> StudyResult:
-    from trainguard.models import build_model, lm_loss
+              faults: tuple[str, ...] = ("inf", "nan", "near-inf"), progress: bool = True, size: str = "tiny",
+              products: tuple[str, ...] = PRODUCTS, steps_after: int = 3, lr: float = 1e-3) -> StudyResult:
+    from trainguard.sdc.abft import ABFTConfig, protect
+    from trainguard.sdc.abft.campaign import build, max_positions, vocab_size
 
-    if not model_name.startswith("llama"):
-        raise ConfigError(f"the propagation study runs on trainguard's LLaMA presets, not {model_name!r}")
+    if model_name not in MODELS and not model_name.startswith("llama-"):
+        raise ConfigError(f"unknown model {model_name!r} for the study (choose from {', '.join(MODELS)} or a "
+                          "trainguard LLaMA preset such as llama-tiny)")
     if trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
-    model = build_model(model_name, seed=seed, attention="explicit")
-    heads = model.cfg.n_heads
-    if seq_len > model.cfg.max_seq_len:
-        raise ConfigError(f"--seq-len {seq_len} exceeds max_seq_len {model.cfg.max_seq_len}")
+    if steps_after < 0:
+        raise ConfigError(f"--steps-after must be >= 0, got {steps_after}")
+    bad = [p for p in products if p not in PRODUCTS]
+    if bad:
+        raise ConfigError(f"unknown product(s) {bad} (choose from {', '.join(PRODUCTS)})")
+    model, run = build(model_name, size=size if not model_name.startswith("llama-") else "tiny", seed=seed)
+    if seq_len > max_positions(model) - 2:
+        raise ConfigError(f"--seq-len {seq_len} exceeds what {model_name} supports ({max_positions(model) - 2})")
+    model.train()
+    heads, kv_heads = _heads(model)
+    handle = protect(model, ABFTConfig(check=False))
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, 256, (batch, seq_len + 1), generator=g)
-    inp, tgt = x[:, :-1], x[:, 1:]
-    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
-    result = StudyResult(model_name, trials)
+    vocab = min(256, vocab_size(model))
+    xs = [torch.randint(3, vocab, (batch, seq_len), generator=g) for _ in range(steps_after + 1)]
+    snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    n_layers = handle.n_layers
+    result = StudyResult(model_name, trials, steps_after, paper_non_trainable=_paper_phi(model_name))
     from trainguard.utils import TaskBar
 
-    bar = TaskBar(progress, "study attention", len(faults) * len(PRODUCTS) * trials)
+    bar = TaskBar(progress, f"study attention {model_name}", len(faults) * len(products) * trials)
     try:
         for fault in faults:
             fm = FaultModel(fault)
             result.table[fault], result.non_trainable[fault] = {}, {}
-            for product in PRODUCTS:
+            for product in products:
                 seen: dict[str, tuple[str, set[str]]] = {}
                 bad_runs = 0
                 for _ in range(trials):
                     model.load_state_dict(snapshot)
-                    layer = int(torch.randint(model.cfg.n_layers, (1,), generator=g))
-                    att = model.layers[str(layer)].attention
+                    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+                    layer = int(torch.randint(n_layers, (1,), generator=g))
                     captured: dict[str, torch.Tensor] = {}
-                    fired = {"done": False}
+                    state = {"done": False}
 
-                    def hook(mod, name, t, fired=fired, captured=captured, product=product, fm=fm):
-                        if name == product and not fired["done"]:
-                            fired["done"] = True
-                            t = t.clone()
-                            with torch.no_grad():
-                                fm.apply(t, int(torch.randint(t.numel(), (1,), generator=g)), g)
-                        captured[_NAME[name]] = t.detach()
-                        if name == "scores":
-                            s = t.shape[-1]
-                            mask = torch.ones(s, s, dtype=torch.bool).triu(1)
-                            captured["AP"] = torch.softmax(t.detach().masked_fill(mask, float("-inf")), -1)
-                        return t if name == product else None
+                    def hook(lyr, name, t, state=state, captured=captured, product=product, fm=fm, layer=layer):
+                        if lyr != layer or name not in _NAME or name.startswith("grad_"):
+                            return None
+                        if name == product and not state["done"]:
+                            state["done"] = True
+                            fm.apply(t, int(torch.randint(t.numel(), (1,), generator=g)), g)
+                        if state["done"] or name in ("q", "k", "v"):
+                            captured.setdefault(_NAME[name], t.detach().clone())
+                        return None
 
-                    remove = att.add_product_hook(hook)
-                    model.zero_grad(set_to_none=True)
-                    loss = lm_loss(model(inp), tgt)
-                    loss.backward()
-                    remove()
-                    with torch.no_grad():
-                        for p in model.parameters():
-                            if p.grad is not None:
-                                p.add_(p.grad, alpha=-1e-3)
-                    nontrainable = not math.isfinite(float(loss.detach())) or any(
-                        not bool(torch.isfinite(p).all()) for p in model.parameters())
+                    remove = handle.add_fault_hook(hook)
+                    nontrainable = False
+                    for i, x in enumerate(xs):
+                        opt.zero_grad(set_to_none=True)
+                        loss, _ = run(model, x)
+                        if i == 0:
+                            remove()
+                        loss.backward()
+                        opt.step()
+                        if not math.isfinite(float(loss.detach())):
+                            nontrainable = True
+                            break
+                    nontrainable = nontrainable or any(not bool(torch.isfinite(p).all()) for p in model.parameters())
                     bad_runs += nontrainable
                     for obs in OBSERVED:
                         if obs not in captured:
                             continue
-                        # Q, K, V, O are (B, T, D) projections: split heads; AS, AP, CL are per head already.
-                        hd = heads if obs in ("Q", "K", "V") else None
+                        # Q, K, V, O are (B, T, D) projections: split heads (K / V by their own heads);
+                        # AS, AP, CL are per head already
+                        hd = heads if obs == "Q" else kv_heads if obs in ("K", "V") else None
                         p, kinds = pattern(captured[obs], hd)
                         prev = seen.get(obs)
                         if prev is None or _rank(p) > _rank(prev[0]):
@@ -134,16 +195,35 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
                         else:
                             seen[obs] = (prev[0], prev[1] | kinds)
                     bar.advance(f"{fault} in {product}")
-                upstream = OBSERVED[: OBSERVED.index(_NAME[product])] if _NAME[product] not in ("Q", "K", "V") else ()
-                result.table[fault][_NAME[product]] = {
+                inj = _NAME[product]
+                upstream = OBSERVED[: OBSERVED.index(inj)] if inj not in ("Q", "K", "V") else ()
+                result.table[fault][inj] = {
                     obs: ("" if obs in upstream or obs not in seen else
                           (seen[obs][0] if seen[obs][0] == "-" else f"{seen[obs][0]} {'/'.join(sorted(seen[obs][1]))}"))
                     for obs in OBSERVED}
-                result.non_trainable[fault][_NAME[product]] = bad_runs / trials
+                result.non_trainable[fault][inj] = bad_runs / trials
     finally:
         bar.stop()
+        from trainguard.sdc.abft import unprotect
+
+        unprotect(model)
+    _compare_table2(result)
     return result
 
 
-def _rank(p: str) -> int:
+def _compare_table2(result: StudyResult) -> None:
+    hits = total = 0
+    for fault, rows in result.table.items():
+        for inj, row in rows.items():
+            for obs, shape in PAPER_TABLE2.get(fault, {}).get(inj, {}).items():
+                got = row.get(obs, "").split(" ")[0]
+                total += 1
+                if got == shape:
+                    hits += 1
+                else:
+                    result.table2_mismatches.append(f"{fault} in {inj} -> {obs}: paper {shape}, measured {got or '-'}")
+    result.table2_agreement = hits / total if total else math.nan
+
+
+def _rank(p: str) -> float:
     return {"-": 0, "0D": 1, "1R": 2, "1C": 2, "1R+1C": 2.5, "2D": 3}[p]
