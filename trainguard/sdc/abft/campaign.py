@@ -40,6 +40,8 @@ FAULTS = ("inf", "nan", "near-inf", "bitflip", "multi", "nongemm")
 SINGLE = ("inf", "nan", "near-inf", "bitflip")
 PATTERNS = ("two-in-column", "two-in-row", "block-2x2", "l-shape")
 ENCODERS = ("bert", "roberta")
+DTYPES = ("fp32", "bf16")
+MAX_TINY_SEQ_LEN = 510
 
 
 def sites() -> tuple[str, ...]:
@@ -48,8 +50,9 @@ def sites() -> tuple[str, ...]:
     return (*PRODUCTS, *NONGEMM_PRODUCTS, "any")
 
 
-def build(name: str, size: str = "tiny", seed: int = 0):
-    """(model, run(model, x) -> (loss, logits)) for a campaign/bench model name."""
+def build(name: str, size: str = "tiny", seed: int = 0, seq_len: int | None = None):
+    """(model, run(model, x) -> (loss, logits)) for a campaign/bench model name; a tiny HF model gets the
+    positions ``seq_len`` needs (with the two the encoders reserve)."""
     if name not in MODELS and not name.startswith("llama-"):
         raise ConfigError(f"unknown model {name!r} (choose from {', '.join(MODELS)})")
     if name.startswith("llama-"):
@@ -64,13 +67,25 @@ def build(name: str, size: str = "tiny", seed: int = 0):
         return model, run
     from trainguard.sdc.abft.hf import build_hf_model
 
-    model = build_hf_model(name, size, seed=seed, dropout=0.0)
+    # at most 512 positions: a longer --seq-len is refused below rather than building a model for it
+    positions = None if seq_len is None else min(seq_len, MAX_TINY_SEQ_LEN) + 2
+    model = build_hf_model(name, size, seed=seed, dropout=0.0, positions=positions)
 
     def run(m, x, mask=None):
         out = m(input_ids=x, labels=x, attention_mask=mask)
         return out.loss, out.logits
 
     return model, run
+
+
+def autocast(dtype: str, device_type: str):
+    """The forward's precision for a ``--dtype`` of :data:`DTYPES`: bf16 autocast (fp32 master weights, as
+    ``train.dtype=bf16``), or fp32 (autocast off)."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "bf16":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return torch.autocast(device_type, enabled=False)
 
 
 def vocab_size(model) -> int:
@@ -129,7 +144,7 @@ class ABFTTrial:
         from trainguard.sdc.abft.guard import ABFTGuard
 
         torch.manual_seed(seed)
-        self.model, self.run = build(model_name, size=size, seed=seed)
+        self.model, self.run = build(model_name, size=size, seed=seed, seq_len=seq_len)
         self.model.to(device)
         if seq_len > max_positions(self.model) - 2:
             raise ConfigError(f"--seq-len {seq_len} exceeds what {model_name} supports ({max_positions(self.model) - 2})")
@@ -165,8 +180,7 @@ class ABFTTrial:
         m = self.model
         m.zero_grad(set_to_none=True)
         dev = self.device.type
-        ctx = torch.autocast(dev, dtype=torch.bfloat16) if self.dtype == "bf16" else torch.autocast(dev, enabled=False)
-        with ctx:
+        with autocast(self.dtype, dev):
             loss, logits = self.run(m, self.x, self.mask)
         loss.backward()
         return loss, logits
@@ -300,8 +314,8 @@ def run_campaign(model_name: str = "llama-tiny", fault: str = "nan", site: str =
         raise ConfigError(f"unknown fault {fault!r} (choose from {', '.join(FAULTS)})")
     if site not in sites():
         raise ConfigError(f"unknown site {site!r} (choose from {', '.join(sites())})")
-    if dtype not in ("fp32", "bf16"):
-        raise ConfigError(f"--dtype must be fp32 or bf16, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if trials < 1 or seq_len < 2 or batch < 1:
         raise ConfigError("trials >= 1, seq-len >= 2 and batch >= 1 are required")
     if size not in ("tiny", "small", "base"):

@@ -337,10 +337,12 @@ HF_MODELS = ("gpt2", "bert", "gpt-neo", "roberta", "llama", "mistral", "qwen2")
 SIZES = ("tiny", "small", "base")
 
 
-def build_hf_model(name: str, size: str = "tiny", seed: int = 0, dropout: float | None = None) -> nn.Module:
+def build_hf_model(name: str, size: str = "tiny", seed: int = 0, dropout: float | None = None,
+                   positions: int | None = None) -> nn.Module:
     """An HF model built from a config (random init, nothing downloaded).
 
-    ``tiny``: 2 layers, hidden 64, 4 heads, vocab 256, 128 positions (tests; dropout 0 unless given; Llama,
+    ``tiny``: 2 layers, hidden 64, 4 heads, vocab 256, 128 positions, or ``positions`` where that is more
+    (a 128-token campaign sequence needs 130 with the room the encoders keep) (tests; dropout 0 unless given; Llama,
     Mistral and Qwen2 with 2 key/value heads (grouped-query attention), Mistral with a 16-token sliding
     window on every layer, Qwen2 with it on its second layer). ``small`` = ``base``: GPT-2-small /
     BERT-base / GPT-Neo-125M / RoBERTa-base shapes (12 layers, hidden 768, 12 heads; config-default
@@ -355,11 +357,13 @@ def build_hf_model(name: str, size: str = "tiny", seed: int = 0, dropout: float 
     if size not in SIZES:
         raise ConfigError(f"unknown HF model size {size!r} (choose from {', '.join(SIZES)})")
     tiny = size == "tiny"
+    # positions beyond 128 only where asked: a tiny model of 128 positions keeps its seeded weights
+    npos = max(128, positions or 0)
     p = 0.0 if (dropout is None and tiny) else dropout
     torch.manual_seed(seed)
     if name in ("llama", "mistral", "qwen2"):
         kw = (dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, bos_token_id=0,
+                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=npos, bos_token_id=0,
                    eos_token_id=0, pad_token_id=0)
               if tiny else dict(num_hidden_layers=12, hidden_size=768, intermediate_size=2048,
                                 num_attention_heads=12, num_key_value_heads=4, vocab_size=32000,
@@ -374,7 +378,7 @@ def build_hf_model(name: str, size: str = "tiny", seed: int = 0, dropout: float 
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(use_sliding_window=True, sliding_window=16 if tiny else 4096,
                                                   max_window_layers=layers // 2, **kw))
     if name == "gpt2":
-        kw = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=128, bos_token_id=0,
+        kw = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=npos, bos_token_id=0,
                   eos_token_id=0) if tiny else {}
         if p is not None:
             kw.update(resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
@@ -384,7 +388,7 @@ def build_hf_model(name: str, size: str = "tiny", seed: int = 0, dropout: float 
         model.loss_type = "ForCausalLM"
         return model
     if name == "gpt-neo":
-        kw = (dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=256, max_position_embeddings=128,
+        kw = (dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=256, max_position_embeddings=npos,
                    attention_types=[[["global", "local"], 1]], window_size=16, bos_token_id=0, eos_token_id=0)
               if tiny else dict(num_layers=12, hidden_size=768, num_heads=12, attention_types=[[["global", "local"], 6]],
                                 max_position_embeddings=2048, window_size=256))
@@ -397,10 +401,10 @@ def build_hf_model(name: str, size: str = "tiny", seed: int = 0, dropout: float 
         common.update(hidden_dropout_prob=p, attention_probs_dropout_prob=p)
     if name == "bert":
         if tiny:
-            common.update(max_position_embeddings=128)
+            common.update(max_position_embeddings=npos)
         return tf.BertForMaskedLM(tf.BertConfig(**common))
     if tiny:
-        common.update(max_position_embeddings=130, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+        common.update(max_position_embeddings=npos + 2, pad_token_id=1, bos_token_id=0, eos_token_id=2)
     else:
         common.update(vocab_size=50265, max_position_embeddings=514, pad_token_id=1, bos_token_id=0, eos_token_id=2)
     return tf.RobertaForMaskedLM(tf.RobertaConfig(**common))

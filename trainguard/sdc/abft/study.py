@@ -17,6 +17,18 @@ NaN/INF or any parameter is non-finite at the end. One SGD step (the previous cr
 a NaN or a huge value that reaches AdamW's second moments does its damage on the following steps.
 The paper's Tables 2 and 4 are in :data:`PAPER_TABLE2` / ``frequency.PHI_TABLE``; ``StudyResult`` reports
 the measured probabilities beside them and the share of Table 2's pattern shapes reproduced.
+
+What decides the near-INF rows: flipping the exponent's top bit multiplies |x| < 1 by 2^(emax+1) (2^128
+in fp32 and bf16, 2^16 in fp16), i.e. to about |x| times the format's largest value, so whether anything
+overflows does not depend on the format but on magnitudes: the struck element itself becomes INF / NaN
+when 1 <= |x| < 2 (the exponent field becomes all ones), and a near-INF q_il makes AS_ij INF only where
+|q_il k_jl alpha| >~ 1. Only an INF / NaN in a row of AS makes the softmax row NaN (INF - INF); a finite
+near-INF row gives a one-hot row, and nothing downstream is abnormal. Randomly initialised narrow models
+have |q|, |k|, |AS| well below 1 (hidden 64: |q| < 0.8), so no near-INF injection there reaches AP; wider
+ones (``size="small"``: hidden 768, |q| up to ~2.5 at the same init) and trained ones do, in some trials.
+``StudyResult.injected_nonfinite`` is the share of trials in which the injected value was INF / NaN.
+``dtype``: ``fp32`` or ``bf16`` (autocast, as the campaign and ``train.dtype``); the faults strike the
+products in the dtype they are computed in.
 Relies on torch and transformers (HF models built from config).
 """
 
@@ -78,16 +90,23 @@ class StudyResult:
     model: str
     trials: int
     steps_after: int = 0
+    size: str = "tiny"
+    dtype: str = "fp32"
     table: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)  # fault -> product -> observed -> pattern
     non_trainable: dict[str, dict[str, float]] = field(default_factory=dict)  # fault -> product -> probability
     paper_non_trainable: dict[str, dict[str, float | None]] = field(default_factory=dict)
     table2_agreement: float = math.nan   # share of the paper's Table 2 cells whose pattern shape is reproduced
     table2_mismatches: list[str] = field(default_factory=list)
+    # fault -> product -> share of trials whose injected value was INF / NaN (1 for inf / nan; for near-INF:
+    # the struck element had 1 <= |x| < 2)
+    injected_nonfinite: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "trials": self.trials, "steps_after": self.steps_after, "table": self.table,
+        return {"model": self.model, "size": self.size, "dtype": self.dtype, "trials": self.trials,
+                "steps_after": self.steps_after, "table": self.table,
                 "non_trainable": self.non_trainable, "paper_non_trainable": self.paper_non_trainable,
-                "table2_agreement": self.table2_agreement, "table2_mismatches": self.table2_mismatches}
+                "table2_agreement": self.table2_agreement, "table2_mismatches": self.table2_mismatches,
+                "injected_nonfinite": self.injected_nonfinite}
 
     def phi(self) -> dict[str, dict[str, float]]:
         """The measured probabilities as ``frequency.optimize_frequencies(phi=...)`` takes them
@@ -115,9 +134,12 @@ def _paper_phi(model_name: str) -> dict[str, dict[str, float | None]]:
 
 def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, seq_len: int = 32, batch: int = 2,
               faults: tuple[str, ...] = ("inf", "nan", "near-inf"), progress: bool = True, size: str = "tiny",
-              products: tuple[str, ...] = PRODUCTS, steps_after: int = 3, lr: float = 1e-3) -> StudyResult:
+              products: tuple[str, ...] = PRODUCTS, steps_after: int = 3, lr: float = 1e-3,
+              dtype: str = "fp32") -> StudyResult:
+    """``size``: HF model shape (``tiny``: hidden 64; ``small`` / ``base``: GPT-2-small / BERT-base widths);
+    LLaMA presets take theirs from their name. ``dtype``: ``fp32`` or ``bf16`` autocast (CPU)."""
     from trainguard.sdc.abft import ABFTConfig, protect
-    from trainguard.sdc.abft.campaign import build, max_positions, vocab_size
+    from trainguard.sdc.abft.campaign import autocast, build, max_positions, vocab_size
 
     if model_name not in MODELS and not model_name.startswith("llama-"):
         raise ConfigError(f"unknown model {model_name!r} for the study (choose from {', '.join(MODELS)} or a "
@@ -129,7 +151,9 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
     bad = [p for p in products if p not in PRODUCTS]
     if bad:
         raise ConfigError(f"unknown product(s) {bad} (choose from {', '.join(PRODUCTS)})")
-    model, run = build(model_name, size=size if not model_name.startswith("llama-") else "tiny", seed=seed)
+    autocast(dtype, "cpu")  # refuses an unknown dtype before the model is built
+    size = size if not model_name.startswith("llama-") else "tiny"
+    model, run = build(model_name, size=size, seed=seed)
     if seq_len > max_positions(model) - 2:
         raise ConfigError(f"--seq-len {seq_len} exceeds what {model_name} supports ({max_positions(model) - 2})")
     model.train()
@@ -140,30 +164,30 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
     xs = [torch.randint(3, vocab, (batch, seq_len), generator=g) for _ in range(steps_after + 1)]
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
     n_layers = handle.n_layers
-    result = StudyResult(model_name, trials, steps_after, paper_non_trainable=_paper_phi(model_name))
+    result = StudyResult(model_name, trials, steps_after, size, dtype, paper_non_trainable=_paper_phi(model_name))
     from trainguard.utils import TaskBar
 
     bar = TaskBar(progress, f"study attention {model_name}", len(faults) * len(products) * trials)
     try:
         for fault in faults:
             fm = FaultModel(fault)
-            result.table[fault], result.non_trainable[fault] = {}, {}
+            result.table[fault], result.non_trainable[fault], result.injected_nonfinite[fault] = {}, {}, {}
             for product in products:
                 seen: dict[str, tuple[str, set[str]]] = {}
-                bad_runs = 0
+                bad_runs = nonfinite = 0
                 for _ in range(trials):
                     model.load_state_dict(snapshot)
                     opt = torch.optim.AdamW(model.parameters(), lr=lr)
                     layer = int(torch.randint(n_layers, (1,), generator=g))
                     captured: dict[str, torch.Tensor] = {}
-                    state = {"done": False}
+                    state: dict[str, Any] = {"done": False, "new": 0.0}
 
                     def hook(lyr, name, t, state=state, captured=captured, product=product, fm=fm, layer=layer):
                         if lyr != layer or name not in _NAME or name.startswith("grad_"):
                             return None
                         if name == product and not state["done"]:
                             state["done"] = True
-                            fm.apply(t, int(torch.randint(t.numel(), (1,), generator=g)), g)
+                            state["new"] = fm.apply(t, int(torch.randint(t.numel(), (1,), generator=g)), g)[1]
                         if state["done"] or name in ("q", "k", "v"):
                             captured.setdefault(_NAME[name], t.detach().clone())
                         return None
@@ -172,7 +196,8 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
                     nontrainable = False
                     for i, x in enumerate(xs):
                         opt.zero_grad(set_to_none=True)
-                        loss, _ = run(model, x)
+                        with autocast(dtype, "cpu"):
+                            loss, _ = run(model, x)
                         if i == 0:
                             remove()
                         loss.backward()
@@ -182,6 +207,7 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
                             break
                     nontrainable = nontrainable or any(not bool(torch.isfinite(p).all()) for p in model.parameters())
                     bad_runs += nontrainable
+                    nonfinite += not math.isfinite(state["new"])
                     for obs in OBSERVED:
                         if obs not in captured:
                             continue
@@ -202,6 +228,7 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
                           (seen[obs][0] if seen[obs][0] == "-" else f"{seen[obs][0]} {'/'.join(sorted(seen[obs][1]))}"))
                     for obs in OBSERVED}
                 result.non_trainable[fault][inj] = bad_runs / trials
+                result.injected_nonfinite[fault][inj] = nonfinite / trials
     finally:
         bar.stop()
         from trainguard.sdc.abft import unprotect
