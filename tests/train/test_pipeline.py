@@ -153,6 +153,28 @@ def test_dmr_on_two_stages_detects_a_bit_flip_and_ends_bitwise_equal(tmp_path, c
     assert [s["attempts"] for s in got[0]["steps"]] == [2, 1, 2, 1]
     assert all(r["dmr_coverage"] == 1.0 for r in got)
     assert any(k.startswith("checked-in-pp") for k in got[0]["dmr_counts"])  # deferred checks ran in pp windows
+    # fingerprints were taken later, in the windows, and none of them went stale (an output written in place
+    # before its fingerprint was taken would be one)
+    assert all(r["dmr_counts"].get("fingerprints-later", 0) > 0 for r in got)
+    assert all(r["dmr"].get("stale", 0) == 0 for r in got)
+    assert_bitwise(got, clean_pp2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_dmr_a_wrong_optimizer_update_is_caught_in_the_next_iteration_and_repaired_bitwise(tmp_path, clean_pp2, step):
+    """The fused AdamW's check is held into the next iteration's windows (``hold_update``): a bit flip in what
+    it writes at step 2 is found there, written back from two agreeing executions and step 3 re-executed.
+    After steps 1 and 3 an evaluation (eval_every = 2) reads the state first: the check is settled before it,
+    with nothing to re-execute."""
+    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true"]
+    got = run_dist(tmp_path, "adam", 2, f"dmradam:1:{step}", *PP, *dmr)
+    assert got[1]["fired"] and got[1]["dmr"]["detected"] == 1 and got[1]["dmr"]["repaired_optimizer"] == 1
+    assert got[1]["dmr_counts"].get("optimizer-held", 0) >= 1
+    expect = [2, 1, 1, 1]  # step 0: profiled, then re-executed with the plan
+    if step == 2:
+        expect[3] = 2  # the next iteration read the wrong parameters: re-executed on both stages
+    assert [s["attempts"] for s in got[0]["steps"]] == expect
     assert_bitwise(got, clean_pp2)
 
 

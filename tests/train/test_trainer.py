@@ -173,3 +173,32 @@ def test_moe_trainer_adds_aux_loss(batches):
     assert t.model.aux_loss() is not None and r.finite
     router = t.model.layers["0"].feed_forward.router.weight
     assert router.grad is not None and router.grad.abs().sum() > 0
+
+
+def test_state_hooks_run_before_every_read_and_write_of_the_state_from_outside_the_step(tmp_path, batches):
+    """DMR holds the update's check into the next iteration; ``add_state_hook`` is how it settles the check
+    before anything outside the step loop reads or replaces the state."""
+    cfg = tiny_cfg("--train.steps", "2", "--train.eval_every", "2", "--checkpoint.dir", str(tmp_path / "ck"),
+                   "--checkpoint.every", "1")
+    t = Trainer(cfg, batches=batches)
+    events = []
+    remove = t.add_state_hook(events.append)
+    t.train_step()
+    assert events == []  # a step alone reads nothing from outside
+    t.evaluate()
+    assert events == ["read"]
+    t.state_dict()
+    t.state_dict_for_compare()
+    path = t.save_checkpoint()
+    assert events == ["read"] * 4
+    snap = t.snapshot()
+    t.restore(snap)
+    t.load_checkpoint(path)
+    assert events[-3:] == ["read", "write", "write"]
+    events.clear()
+    t.run(1)
+    assert "read" in events  # the end of run() settles before the final evaluation and checkpoint
+    remove()
+    events.clear()
+    t.state_dict()
+    assert events == []

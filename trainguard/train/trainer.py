@@ -19,7 +19,9 @@ DDP, pipeline (+ DP on a 2-D mesh), elastic torchft. Techniques plug in through 
 ``step_contexts`` (context managers around each attempt: the fault injector), ``callbacks``
 (``on_step_start(trainer, step)`` before every attempt, ``on_stage(trainer, stage, step)`` after the ``plan``,
 ``forward_backward`` and ``update`` stages, ``on_step_end(trainer, result)`` after the commit),
-``metric_sources`` (counters merged into every metrics record), activation-checkpoint contexts
+``metric_sources`` (counters merged into every metrics record), ``add_state_hook`` (settle verifications
+still pending on the state before a checkpoint, an evaluation, ``state_dict``, a load or the end of ``run()``:
+DMR's update check held into the next iteration), activation-checkpoint contexts
 (:func:`trainguard.train.activation_checkpoint.add_checkpoint_context`) and the model's kernel slots and
 product hooks (:mod:`trainguard.models`).
 
@@ -158,6 +160,10 @@ class Trainer:
         # metrics record and into the run summary's ``extra``
         self.metric_sources: list[Callable[[], dict[str, Any]]] = []
         self.guards: list[StepGuard] = []
+        # callables ``fn(event)`` run before the model and optimizer state is read ("read": checkpoint,
+        # evaluation, state_dict, the end of run()) or replaced ("write": a load or a restore) from outside the
+        # step loop: a technique that verifies an update later settles it here, and drops copies it keeps
+        self.state_hooks: list[Callable[[str], None]] = []
         self.state = StateRegistry()
         self.step_idx = 0
         self.stop_on_nan = False  # stop run() at the first non-finite loss (the step's result is kept)
@@ -228,6 +234,17 @@ class Trainer:
         """Register a step guard (on every rank); returns a remover."""
         self.guards.append(guard)
         return lambda: self.guards.remove(guard) if guard in self.guards else None
+
+    def add_state_hook(self, fn: Callable[[str], None]) -> Callable[[], None]:
+        """Run ``fn("read")`` / ``fn("write")`` before the state is read / replaced from outside the step loop
+        (see ``state_hooks``); returns a remover."""
+        self.state_hooks.append(fn)
+        return lambda: self.state_hooks.remove(fn) if fn in self.state_hooks else None
+
+    def settle(self, event: str = "read") -> None:
+        """Complete every verification still pending on the current state (``state_hooks``)."""
+        for fn in list(self.state_hooks):
+            fn(event)
 
     def register_state(self, name: str, component: Stateful) -> Callable[[], None]:
         """Register a stateful component: snapshotted for retries, saved in checkpoints, sent when healing.
@@ -395,6 +412,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, n_batches: int | None = None) -> dict[str, float]:
         n = n_batches or self.cfg.train.eval_batches
+        self.settle()
         was_training = self.model.training
         self.model.eval()
         try:
@@ -407,12 +425,14 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything a replica needs to continue this run (torchft heals a returning replica with it).
         Tensors are the live ones (no copy): serialise or copy before training on."""
+        self.settle()
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "step": self.step_idx, "rng": snap_mod.rng_state(),
                 "components": self.state.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (copied: the optimizer would otherwise share the source's tensors)."""
+        self.settle("write")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(copy_state(state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
@@ -422,16 +442,19 @@ class Trainer:
         self.state.load_state_dict(state.get("components", {}), strict=False)
 
     def snapshot(self) -> StepSnapshot:
+        self.settle()
         return snap_mod.capture(self.model, self.optimizer, self.scheduler, self.step_idx,
                                 extra={"components": self.state.snapshot()})
 
     def restore(self, snap: StepSnapshot) -> None:
+        self.settle("write")
         snap_mod.restore(snap, self.model, self.optimizer, self.scheduler)
         self.state.load_state_dict(snap.extra.get("components", {}), strict=False)
         self.step_idx = snap.step
 
     def state_dict_for_compare(self, optimizer: bool = True) -> dict[str, torch.Tensor]:
         """Parameters (and optimizer state) of this rank as CPU copies, keyed by name."""
+        self.settle()
         out = {f"param/{n}": p.detach().cpu().clone() for n, p in self.model.named_parameters()}
         if optimizer:
             names = {id(p): n for n, p in self.model.named_parameters()}
@@ -446,6 +469,7 @@ class Trainer:
         """Write a checkpoint of the current step (None on a rank that does not write them)."""
         if self.ckpt is None:
             raise ConfigError("checkpoint.dir is not set")
+        self.settle()  # (on every rank: each settles its own state before the writer's collective)
         if not self.strategy.writes_checkpoints():
             return None
         rng = _plain_rng(snap_mod.rng_state())
@@ -460,6 +484,7 @@ class Trainer:
         """Load ``path`` (None: the latest in checkpoint.dir) and continue from its step with this trainer's
         config: the learning-rate schedule and the optimizer's hyper-parameters come from ``cfg`` (the
         schedule is rebuilt at the loaded step), everything else from the checkpoint."""
+        self.settle("write")
         mgr = self.ckpt or CheckpointManager(Path(path).parent if path else ".", 1)
         if path is None:
             path = mgr.latest()
@@ -647,6 +672,7 @@ class Trainer:
                         checkpoint()
                     logger.event(event="preempted", step=self.step_idx, signal="SIGTERM")
                     break
+            self.settle()  # the last update's pending verifications, before the run reports or returns
             if last is not None and not summary.stopped_early:
                 if cfg.train.eval_every and last_eval_step != self.step_idx:
                     evaluation = self.evaluate()

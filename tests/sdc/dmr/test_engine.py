@@ -165,3 +165,34 @@ def test_determinism_report_and_tolerance_mode(batches, clean, tmp_path):
 
     with pytest.raises(ConfigError, match="cannot be verified"):
         load_tolerances(tmp_path / "bad.json", 8.0)
+
+
+def _held_trainer(batches):
+    """A single-process trainer whose engine takes the pipeline path (fingerprints later, update held): no
+    window ever opens, so every check runs in the drain, which exercises the same code."""
+    t = _trainer(batches, "--train.activation_checkpoint", "full")
+    eng = attach(t, DMRConfig(enabled=True))
+    eng.deferrable = True
+    return t, eng
+
+
+def test_held_update_alternating_with_other_systems_raises_no_alarm_and_ends_bitwise(batches, clean):
+    """``bench dmr`` alternates systems on one trainer: an update made by another system must not be taken for
+    a fault by the held check's copy of the state (it is dropped when the system changes)."""
+    t, eng = _held_trainer(batches)
+    for system in ("sparetrain", "naive", "sparetrain"):
+        eng.set_system(system)
+        t.train_step()
+    assert eng.totals["detected"] == 0 and _equal(_params(t), clean)
+
+
+def test_a_wrong_held_update_is_written_back_and_the_next_step_retried_bitwise(batches, clean):
+    t, eng = _held_trainer(batches)
+    Injector(Fault(OpSite("aten._fused_adamw_*", "optimizer", 0, compute_only=True),
+                   FaultModel("bitflip", field="exponent"), step=1), seed=3).attach(t)
+    attempts = [t.train_step().attempts for _ in range(3)]
+    assert eng.totals["detected"] == 1 and eng.totals["repaired_optimizer"] == 1
+    # step 0: profiled and planned, then re-executed; step 2 read the wrong parameters: re-executed after the
+    # write-back
+    assert attempts == [2, 1, 2]
+    assert _equal(_params(t), clean)

@@ -31,6 +31,10 @@ class DMRConfig:
                                         "this many MB of each tensor list (the piece's copies stay in the last-level "
                                         "cache; on a 32 MB L3, 0.25 MB pieces cost llama-60m 0.4 s more per step in "
                                         "Python overhead than 1-4 MB ones)")
+    hold_update: bool = setting(True, help="sparetrain with idle windows: the fused optimizer runs once and is checked "
+                                "in the next iteration's windows from a verified copy of the state before it (a "
+                                "wrong update is written back and that iteration retried); false: checked in "
+                                "pieces at once, as the naive system does")
     plan: str = setting("", help="a DMR plan JSON (trainguard plan dmr --out); empty: profile and plan at the start")
     profile_steps: int = setting(1, help="steps profiled before planning (they run with naive DMR)")
     determinism_report: str = setting("", help="tolerance mode: a determinism report JSON (from a clean run)")

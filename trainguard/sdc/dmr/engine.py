@@ -28,7 +28,14 @@ Attach with :func:`attach` (or ``[sdc.dmr] enabled = true``). The engine then
     :class:`~trainguard.sdc.dmr.dynamic.DynamicPlanner` queue: best fit at static windows, one by one at
     dynamic windows until they close, forced when memory nears the budget;
   - the **update stage** (clipping, fused AdamW in chunks, schedule): a mismatch is repaired by a third
-    execution (the update cannot be rolled back without a copy of the optimizer state);
+    execution (the update cannot be rolled back without a copy of the optimizer state); with windows
+    (``sparetrain`` on pipeline / expert parallel, ``hold_update``) the fused optimizer runs once and its check
+    is held into the next iteration's windows, from a verified copy of the state that the passing checker
+    itself keeps up to date (see ``_held_optimizer``); the trainer's state hook settles it before the state is
+    read or replaced from outside the step loop;
+  - where windows exist, fingerprints that need not be taken at once (P-DMR's forward and recompute, deferred
+    ops' primaries) are taken by the window's worker (:class:`_Later`), on the main thread only before an op
+    writes into the output or hands it to a collective;
 
 * reports mismatches to its :class:`DMRGuard`: the trainer rolls the iteration back on all ranks and
   re-executes it; the same op failing again on the re-execution is reported as suspected persistent
@@ -108,6 +115,41 @@ class Deferred:
     est_s: float = 0.0
 
 
+@dataclass
+class _HeldUpdate:
+    """A fused optimizer update run once on the main thread, its check held until the next iteration's windows:
+    the call's arguments (the lists it writes point at the live state, ``grads`` at the gradients it read,
+    kept alive here) and the names of the lists it writes."""
+
+    op_id: str
+    func: Any
+    bound: dict[str, Any]
+    written: list[str]
+    step: int
+
+
+class _Later:
+    """A fingerprint taken later, off the main thread: the output is kept by reference (with its tensors'
+    version counters) until a window's worker (or the end-of-iteration drain) computes it. The engine
+    computes it at once, on the main thread, before any op writes into one of those tensors, so the
+    fingerprint is always of the value the op produced."""
+
+    __slots__ = ("value", "versions", "nbytes", "fp")
+
+    def __init__(self, value: Any, ts: list[torch.Tensor]):
+        self.value = value
+        self.versions = [t._version for t in ts]
+        self.nbytes = sum(t.numel() * t.element_size() for t in ts)
+        self.fp: dops.Fingerprint | None = None
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # (a tensor without storage: nothing can write into it)
+        return id(t)
+
+
 def _free_memory_bytes(device: torch.device) -> int:
     """Memory this rank may still use: free device memory on CUDA; on CPU the host's available memory
     shared by the ranks on it (LOCAL_WORLD_SIZE). 0 when unknown."""
@@ -178,6 +220,14 @@ class DMREngine:
         self.deferrable = False
         self._model = None
         self.dynamic = DynamicPlanner(self.budget_bytes or 2**40)
+        # the update-stage check held into the next iteration's windows (see _held_optimizer)
+        self._held: list[_HeldUpdate] = []
+        # per live tensor of the optimizer state (by id, with the tensor itself): the verified value before its
+        # next update, and the buffer its checker runs in
+        self._pre: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._spare: dict[int, torch.Tensor] = {}
+        self._repair: list[tuple[dict, dict]] = []  # (verified result, live state) to write back
+        self._held_fatal: str | None = None
         self._index_plan()
         self._reset_attempt()
 
@@ -209,6 +259,7 @@ class DMREngine:
         self.deferrable = trainer.strategy.name in ("pipeline", "expert")  # strategies with idle windows
         self._handles.append(trainer.add_guard(DMRGuard(self)))
         trainer.metric_sources.append(self.metrics)
+        self._handles.append(trainer.add_state_hook(self._state_event))
         self._world = trainer.world
         return self
 
@@ -218,6 +269,7 @@ class DMREngine:
     def set_system(self, system: str) -> None:
         """Switch between ``none`` (no mode at all: the No-DMR baseline), ``naive`` and ``sparetrain`` between
         steps (benchmarks alternate systems on one trainer)."""
+        self._state_event("write")  # (other systems update the state without the held path's copies)
         self.cfg.system = system
         self.active = system != "none"
         self._set_early_stop()
@@ -227,6 +279,7 @@ class DMREngine:
             set_checkpoint_early_stop(self._model, not self.active or self._profiling)
 
     def detach(self) -> None:
+        self.settle()
         for remove in self._handles:
             remove()
         self._handles.clear()
@@ -268,6 +321,10 @@ class DMREngine:
         self._last_op = ""
         if self.queue:
             self.queue, self.queued_bytes = [], 0
+        # fingerprints taken later (:class:`_Later`) and P-DMR comparisons waiting for them, in order
+        self._later_fifo: list[_Later | tuple] = []
+        self._later_by_storage: dict[int, list[_Later]] = {}
+        self.later_bytes = 0
         if self.dynamic.queue:
             self.dynamic.queue.clear()
         self.dynamic.reset()
@@ -369,6 +426,10 @@ class DMREngine:
             return func(*args, **kwargs)
         # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
         # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
+        if self._later_by_storage:
+            inf = dops.info(func)
+            if inf.written or inf.kind == "comm":
+                self._settle_written(func, args, kwargs, every=inf.kind == "comm")
         before = getattr(_INJECTOR_FLAG, "active", False)
         _INJECTOR_FLAG.active = True  # (checker_execution(), without a context manager per op)
         try:
@@ -429,7 +490,8 @@ class DMREngine:
             strategy = "naive"  # an in-place or random op cannot be replayed from a tape: checked at once
         if strategy == "p-dmr":
             out = _primary(func, args, kwargs)
-            seg.records.append((op_id, name, self._fp(out), _routing_copy(out)))
+            routing = _routing_copy(out)
+            seg.records.append((op_id, name, self._fp(out) if routing is not None else self._fp_later(out), routing))
         else:
             if in_segment:
                 rec = [op_id, name, None, None]  # (checked otherwise; keeps the recompute aligned)
@@ -532,9 +594,11 @@ class DMREngine:
         op_id, name, expect = twin[:3]
         if name != dops.info(func).name:
             self._mismatch(op_id, name, "forward", "p-dmr", f"recompute ran {func} where the forward ran {name}")
+        elif (kept := twin[3] if len(twin) > 3 else None) is None and self._lazy_ok():
+            # compared later, off the main thread (a window's worker or the drain), like the deferred checks
+            self._later_fifo.append((op_id, name, expect, self._fp_later(out)))
         elif not self._agree(name, expect, self._fp(out)):
             self._mismatch(op_id, name, "forward", "p-dmr", "forward and recompute differ")
-            kept = twin[3] if len(twin) > 3 else None
             if kept is not None:
                 out = _with_routing(out, kept)
                 # An integer output (MoE routing: top-k indices, counts) decides the shapes of what follows. The
@@ -621,7 +685,73 @@ class DMREngine:
     def _fp(self, value) -> dops.Fingerprint:
         return dops.Fingerprint.of(value, floats=self.cfg.compare == "tolerance")
 
+    # ---- fingerprints taken later, in the windows -------------------------------------------------------
+    def _lazy_ok(self) -> bool:
+        """Fingerprints go to the windows' worker only where windows exist and the plan is being followed."""
+        return self.deferrable and not self._profiling and self.calibration is None
+
+    def _fp_later(self, value) -> dops.Fingerprint | _Later:
+        """``value``'s fingerprint, or a :class:`_Later` one while the outputs it holds fit half the budget (the
+        other half is the deferred checks'): the checksums then run on the worker thread in the next window."""
+        if not self._lazy_ok():
+            return self._fp(value)
+        ts = dops.tensors(value)
+        lz = _Later(value, ts)
+        if self.budget_bytes and self.later_bytes + lz.nbytes > self.budget_bytes // 2:
+            return self._fp(value)
+        with self._lock:
+            self.counts["fingerprints-later"] += 1
+            self.later_bytes += lz.nbytes
+            self._later_fifo.append(lz)
+            for t in ts:
+                self._later_by_storage.setdefault(_storage_key(t), []).append(lz)
+        return lz
+
+    def _resolve(self, x: dops.Fingerprint | _Later) -> dops.Fingerprint | None:
+        """The fingerprint (None: a tensor changed in place without passing the engine, so not checkable)."""
+        if not isinstance(x, _Later):
+            return x
+        if x.fp is None and x.value is not None:
+            ts = dops.tensors(x.value)
+            if any(t._version != v for t, v in zip(ts, x.versions)):
+                self.counts["stale"] += 1
+                self.totals["stale"] += 1
+            else:
+                x.fp = self._fp(x.value)
+            x.value = None  # the outputs are released
+            with self._lock:
+                self.later_bytes -= x.nbytes
+        return x.fp
+
+    def _settle_written(self, func, args, kwargs, every: bool = False) -> None:
+        """Before an op writes into tensors whose fingerprints are still to be taken: take them now. ``every``:
+        all its tensor arguments (communication: a receive writes its buffer when the transfer completes,
+        outside the dispatcher and without a version bump)."""
+        for t in (dops.tensors((args, kwargs)) if every else dops.written_args(func, args, kwargs)):
+            waiting = self._later_by_storage.pop(_storage_key(t), None)
+            for lz in waiting or ():
+                self._resolve(lz)
+
+    def _settle(self, more: Callable[[], bool] = lambda: True) -> None:
+        """Take the fingerprints still to be taken and run the P-DMR comparisons waiting for them, in order,
+        while ``more()`` (a window still open) says so."""
+        while self._later_fifo and more():
+            item = self._later_fifo.pop(0)
+            if isinstance(item, _Later):
+                self._resolve(item)
+                continue
+            op_id, name, expect, got = item
+            e, g = self._resolve(expect), self._resolve(got)
+            if e is not None and g is not None and not self._agree(name, e, g):
+                self._mismatch(op_id, name, "forward", "p-dmr", "forward and recompute differ")
+        if not self._later_fifo:
+            self._later_by_storage.clear()
+
     def _agree(self, name: str, expect: dops.Fingerprint, got: dops.Fingerprint) -> bool:
+        if isinstance(expect, _Later) or isinstance(got, _Later):
+            expect, got = self._resolve(expect), self._resolve(got)
+            if expect is None or got is None:
+                return True  # counted as stale (not checkable), never as a detection
         if self.calibration is not None:  # recording a determinism report: measure, never flag
             self.calibration[name] = max(self.calibration.get(name, 0.0), expect.gap(got))
             return True
@@ -650,6 +780,11 @@ class DMREngine:
         sliced = [n for n in lists if all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.is_contiguous()
                                           and t.numel() == bound[lists[0]][i].numel() for i, t in enumerate(bound[n]))]
         params = bound[lists[0]]
+        if self._can_hold(func, bound, lists, sliced):
+            return self._held_optimizer(op_id, func, bound, lists)
+        for n in lists:  # updated here, not through the held path: copies of these tensors are stale from now on
+            for t in bound[n]:
+                self._pre.pop(id(t), None)
         # a multiple of 1024 elements: every piece starts on a vector boundary, so the kernel's vectorised loop
         # and scalar tail handle the same elements as in one call (an FMA and a mul+add round differently)
         chunk = max(1024, int(self.cfg.optimizer_chunk_mb * 2**20 / 4) // 1024 * 1024)
@@ -678,6 +813,127 @@ class DMREngine:
                         read_only=read_only)
             self.counts["optimizer-chunks"] += 1
         return None
+
+    # ---- the update stage's check held into the next iteration --------------------------------------------
+    # The fused optimizer runs once, on the main thread; its checker runs in the next iteration's first
+    # windows (or its drain), from a verified copy of the state before the update and the gradients it read.
+    # When the two agree, the checker's result *is* the verified state before the next update, so no copy of
+    # the optimizer state is made on the critical path. When they differ, a third execution from the same
+    # copy decides; a wrong primary is written back before the next iteration's verdict, which is then a
+    # retry (that iteration's forward read the wrong parameters). Before anything reads the state from
+    # outside (a checkpoint, an evaluation, the end of the run) the held check is settled (:meth:`settle`).
+    def _can_hold(self, func, bound, lists, sliced) -> bool:
+        if not (self.deferrable and self.cfg.system == "sparetrain" and self.cfg.hold_update
+                and self.cfg.fingerprints and self.cfg.compare == "bitwise" and self.calibration is None):
+            return False
+        if dops.info(func).name not in _FUSED_OPTIMIZERS or bound.get("grad_scale") is not None \
+                or bound.get("found_inf") is not None or "grads" not in lists:
+            return False
+        state = [t for n in lists if n != "grads" for t in bound[n]]
+        nbytes = 2 * sum(t.numel() * t.element_size() for t in state)  # the copy and the checker's buffers
+        return not self.budget_bytes or nbytes <= self.budget_bytes // 2
+
+    def _held_optimizer(self, op_id: str, func, bound: dict[str, Any], lists: list[str]) -> None:
+        written = [n for n in lists if n != "grads"]
+        live = {n: list(bound[n]) for n in written}
+        for n in written:
+            small = all(t.numel() == 1 for t in live[n])
+            for t in live[n]:
+                kept = self._pre.get(id(t))
+                if kept is None or kept[0] is not t:  # first update of this tensor: copied once
+                    self._pre[id(t)] = (t, t.detach().clone())
+                    self.counts["optimizer-state-copied"] += 1
+                elif small:
+                    # scalars the optimizer changes outside this op (its step counters, incremented by their own
+                    # verified op just before): the copy takes them as this call reads them
+                    kept[1].copy_(t)
+        schema = func._schema.arguments
+        _primary(func, tuple(bound[a.name] for a in schema if not a.kwarg_only),
+                 {a.name: bound[a.name] for a in schema if a.kwarg_only and bound.get(a.name) is not None})
+        keep = {n: (v.clone() if isinstance(v, torch.Tensor) else list(v) if isinstance(v, (list, tuple)) else v)
+                for n, v in bound.items() if n not in written}  # (lr may be a tensor the schedule changes)
+        keep.update(live)
+        self._held.append(_HeldUpdate(op_id, func, keep, written, self.step))
+        self.counts["optimizer-held"] += 1
+        return None
+
+    def _run_update(self, h: _HeldUpdate, state: dict[str, list[torch.Tensor]]) -> None:
+        """Execute the held update on ``state`` (in place) with the inputs the primary read."""
+        part = dict(h.bound)
+        part.update(state)
+        schema = h.func._schema.arguments
+        h.func(*tuple(part[a.name] for a in schema if not a.kwarg_only),
+               **{a.name: part[a.name] for a in schema if a.kwarg_only and part.get(a.name) is not None})
+
+    def _check_held(self, before_step: int | None = None) -> None:
+        """The checkers of the held updates (of steps before ``before_step``; None: all), and where one disagrees
+        with its primary, the tie-breaker."""
+        due = [h for h in self._held if before_step is None or h.step < before_step]
+        self._held = [h for h in self._held if not (before_step is None or h.step < before_step)]
+        for h in due:
+            self._check_one(h)
+
+    def _check_one(self, h: _HeldUpdate) -> None:
+        live = {n: h.bound[n] for n in h.written}
+        # per live tensor (a call may cover a different subset of the parameters each step: those with gradients)
+        pre = {n: [self._pre[id(t)][1] for t in live[n]] for n in h.written}
+        chk = {n: [self._spare.get(id(t)) for t in live[n]] for n in h.written}
+        for n in h.written:
+            for i, (t, c) in enumerate(zip(live[n], chk[n])):
+                if c is None:
+                    chk[n][i] = self._spare[id(t)] = torch.empty_like(t)
+            torch._foreach_copy_(chk[n], pre[n])
+        self._run_update(h, chk)
+        self.counts["optimizer-held-checked"] += 1
+        if all(dops.bitwise_equal(chk[n], live[n]) for n in h.written):
+            # the checker's result is the verified state before the next update: no copy of it is made
+            for n in h.written:
+                for t, c, p in zip(live[n], chk[n], pre[n]):
+                    self._pre[id(t)], self._spare[id(t)] = (t, c), p
+            return
+        self._run_update(h, pre)  # the tie-breaker, from the same copy
+        if all(dops.bitwise_equal(pre[n], chk[n]) for n in h.written):
+            self._repair.append((pre, live))  # the primary was wrong: written back before the next verdict
+            self.totals["repaired_optimizer"] += 1
+            self._mismatch(h.op_id, dops.info(h.func).name, "optimizer", "optimizer-held",
+                           f"the update of step {h.step} differs from two executions of it")
+        elif all(dops.bitwise_equal(pre[n], live[n]) for n in h.written):
+            self.counts["checker-fault"] += 1  # the checker was wrong: the primary and the tie-breaker agree
+        else:
+            self._held_fatal = (f"three executions of {dops.info(h.func).name} in the update stage of step {h.step} "
+                                f"all differ ({h.op_id}): this device does not compute reliably")
+
+    def _apply_repair(self) -> None:
+        if self._held_fatal is not None:
+            msg, self._held_fatal = self._held_fatal, None
+            raise SuspectedHardwareFault(msg)
+        fixes, self._repair = self._repair, []
+        with torch.no_grad():
+            for fix, live in fixes:
+                torch._foreach_copy_([t for n in live for t in live[n]], [t for n in live for t in fix[n]])
+
+    def _state_event(self, event: str) -> None:
+        """The trainer's state hook: settle before a read; before a write (a load, a restore) also drop the copies
+        of the state (the next update copies it again)."""
+        self.settle()
+        if event == "write":
+            self._pre.clear()
+            self._spare.clear()
+
+    def settle(self) -> None:
+        """Check the held updates now, on this thread, and write back a repair: before anything reads the state
+        from outside the training loop (a checkpoint, an evaluation, a comparison, the end of the run)."""
+        if not self._held and not self._repair and self._held_fatal is None:
+            return
+        _CHECKING.active = True
+        try:
+            with checker_execution():
+                self._check_held()
+                self._apply_repair()
+        finally:
+            _CHECKING.active = False
+        # (repaired before anything of a later step ran: a detection, nothing to re-execute)
+        self.mismatches = [m for m in self.mismatches if m.strategy != "optimizer-held"]
 
     def _mismatch(self, op_id: str, name: str, phase: str, strategy: str, detail: str) -> None:
         with self._lock:
@@ -713,7 +969,7 @@ class DMREngine:
             return func(*keep[0], **keep[1])
 
         # the output's fingerprint, or (``fingerprints = false``) a copy of it, counted against the budget
-        expect = self._fp(out) if self.cfg.fingerprints else tree_map(
+        expect = self._fp_later(out) if self.cfg.fingerprints else tree_map(
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
         if not self.cfg.fingerprints:
             nbytes += sum(t.numel() * t.element_size() for t in dops.tensors(expect))
@@ -755,14 +1011,25 @@ class DMREngine:
                                                    dynamic=kind == "ep"))
         todo = [d for d in self.queue if d.window == wid] + [d for d in self.queue if d.window is None]
         tapes = [t for t in self._tapes.values() if t.window == wid and t.complete and not t.replayed]
-        if not todo and not tapes and not self.dynamic.queue:
+        if not todo and not tapes and not self.dynamic.queue and not self._later_fifo and not self._held:
             return wait()
         closed = threading.Event()
         ran: list[Deferred] = []
 
+        failed: list[BaseException] = []
+
         def work() -> None:
+            try:
+                checks()
+            except BaseException as err:  # handed to the main thread: a checker never fails silently
+                failed.append(err)
+
+        def checks() -> None:
             _CHECKING.active = True
             with checker_execution():
+                self._check_held(self.step)  # the previous iteration's update, from the first window on
+                # fingerprints taken later next: they hold outputs alive (and P-DMR comparisons wait on them)
+                self._settle(lambda: not closed.is_set())
                 for tape in tapes:  # planned for this window: they all run
                     tape.replayed = True
                     self._replay(tape, kind)
@@ -786,11 +1053,13 @@ class DMREngine:
             self.window_log.append((wid, t1 - t0, time.perf_counter() - t1))
             done = {id(d) for d in ran}
             self.queue = [d for d in self.queue if id(d) not in done]
+            if failed:
+                raise failed[0]
 
     def _check(self, d: Deferred, where: str) -> None:
         try:
             got = d.run()
-            got = self._fp(got) if isinstance(d.expect, dops.Fingerprint) else got
+            got = self._fp(got) if isinstance(d.expect, (dops.Fingerprint, _Later)) else got
         except _Stale:
             self.counts["stale"] += 1  # an input changed in place: not checkable, counted against coverage
             self.totals["stale"] += 1
@@ -798,7 +1067,7 @@ class DMREngine:
         except Exception as err:  # a checker that cannot run is a detection, not a crash of the step
             self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"checker failed: {err}")
             got = None
-        agree = (lambda: self._agree(d.name, d.expect, got)) if isinstance(d.expect, dops.Fingerprint) else (
+        agree = (lambda: self._agree(d.name, d.expect, got)) if isinstance(d.expect, (dops.Fingerprint, _Later)) else (
             lambda: dops.bitwise_equal(d.expect, got))
         if got is not None and not agree():
             self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"deferred check ({where}) differs")
@@ -815,6 +1084,8 @@ class DMREngine:
         t0 = time.perf_counter()
         try:
             with checker_execution():
+                self._check_held(self.step)  # (not this iteration's own update: the next one checks it)
+                self._settle()
                 for d in todo:
                     self._check(d, "drain")
                 for tape in self._tapes.values():
@@ -966,11 +1237,17 @@ class DMRGuard(StepGuard):
             eng.finish_profile(ctx.trainer)
             return Verdict.retry(site="profile", reason="profiled this attempt (unverified); re-executed with the plan")
         eng.drain()
+        eng._apply_repair()  # a wrong update of the previous step, written back: this iteration read it, so retry
         if eng.mismatches:
             m = eng.mismatches[0]
             return Verdict.retry(site=m.site(), reason=f"{m.phase} op {m.name} ({m.strategy}): {m.detail}")
         eng.update_stage = True  # clipping and the optimizer come next: repaired in place, not retried
         return Verdict.commit()
+
+    def on_retry(self, ctx, verdict) -> None:
+        # an update of this step that ran before the retry was rolled back with it (the trainer restored the state
+        # before it, which is the engine's copy): its check is dropped
+        self.engine._held = [h for h in self.engine._held if h.step != ctx.step]
 
     def on_error(self, ctx, err: Exception) -> Verdict | None:
         if not self.engine.mismatches:
