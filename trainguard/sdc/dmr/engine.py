@@ -134,7 +134,7 @@ class _Later:
     computes it at once, on the main thread, before any op writes into one of those tensors, so the
     fingerprint is always of the value the op produced."""
 
-    __slots__ = ("value", "versions", "nbytes", "fp")
+    __slots__ = ("fp", "nbytes", "value", "versions")
 
     def __init__(self, value: Any, ts: list[torch.Tensor]):
         self.value = value
