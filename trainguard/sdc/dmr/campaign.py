@@ -65,6 +65,7 @@ def _run(cfg, steps: int, fault: Fault | None, rank_of_fault: int, seed: int, co
         injector.count_ops = count
     for _ in range(steps):
         trainer.train_step()
+    trainer.settle()  # checks still held (the last update's) complete before the outcome is read
     detected = engine.totals["detected"] > 0
     return trainer, engine, injector, detected
 
