@@ -22,7 +22,9 @@ nothing else, so a run in which no micro-batch is degraded is bitwise the run wi
   ``W`` (``y = W x``) becomes :class:`LowRankLinear`: the output and the input gradient are exact, the weight
   gradient is ``G_W ~ G_y (x^T V1) V1^T`` with ``V1`` the top-``rank`` right singular vectors of ``W``. Only
   ``x^T V1`` is kept for backward. ``V1`` is refreshed by an SVD of ``W`` when it is absent or ``tau`` steps old,
-  lazily, only on a replica that runs degraded (the SVD cost is amortised over ``tau`` steps).
+  lazily, only on a replica that runs degraded (the SVD cost is amortised over ``tau`` steps). The ``V1^T``
+  product is deferred (``defer_projection``, :class:`PendingProjection`): ``G_y^T (x V1)`` is summed over the
+  replica's degraded micro-batches of the step and projected once, in the last of them.
 
 On the elastic strategy :meth:`MeCeFO.install` also enters a context around every micro-batch (degraded iff
 the plan tagged it ``{"neighbor"}``) and, on sampled steps (``monitor_every``), measures what the paper's

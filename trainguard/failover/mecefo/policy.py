@@ -7,14 +7,17 @@ Every policy plans the same global batch: ``replicas * grad_accum`` slices, slic
 when it left the torchft quorum (killed) or is under a simulated failure (``down(step)``, from a
 :class:`~trainguard.failover.mecefo.timeline.FailureTimeline`: it stays in the quorum and computes nothing).
 
-* :class:`MeCeFOPolicy`: an out worker's slices go to its **neighbor** in the data-parallel ring (the next
-  worker that is up). A neighbor computes them, and its own (``degrade_own``, as in the paper), tagged
-  ``{"neighbor"}``: the MeCeFO component runs those degraded. The attention parameters' gradient
+* :class:`MeCeFOPolicy`: an out worker's slices go to its **neighbors** in the data-parallel ring: round-robin
+  over the next ``spread`` workers that are up (:mod:`trainguard.failover.mecefo.ring`; ``spread=1`` is the
+  paper's single neighbor, ``"auto"`` the fewest neighbors whose step is estimated no slower than a normal one,
+  keeping one worker up that is nobody's neighbor). A neighbor computes them, and its own (``degrade_own``, as
+  in the paper), tagged ``{"neighbor"}``: the MeCeFO component runs those degraded. The attention parameters' gradient
   (``param_groups``: ``"mha"``) is weighted ``1 / (exact slices)`` on the slices computed exactly and 0 on the
   degraded ones, so it is the mean over exactly the slices that computed it (the paper's groups that are
   neither failed nor neighbors); the other parameters keep ``1 / n``. If every worker that is up is a
   neighbor, the neighbors compute their own slices exactly (someone must). A worker killed mid-step: its
-  counted slices go to its neighbor in the same step (degraded), the attention weights are recounted.
+  counted slices go to its neighbors in the same step (degraded, spread the same way; exact if otherwise no
+  counted slice would be exact), the attention weights are recounted.
 * :class:`BambooPolicy`: every worker also computes its ring predecessor's counted slices and keeps them apart
   (``keep=True``, tag ``redundant``). An out worker's slices are computed (and counted) by its successor, which
   then keeps a redundant copy of its new predecessor's work. A worker killed mid-step: its successor's kept
