@@ -5,7 +5,9 @@ Registered by ``bench.py``.
 ``--json`` prints one object whose keys per method (``mecefo``, ``bamboo``, ``oobleck``, ``checkpoint_restart``) are
 ``tokens_per_s_no_failure``, ``tokens_per_s_failures``, ``throughput_drop`` (modelled: ``throughput_modelled`` is
 true), ``val_ppl_no_failure``, ``val_ppl_failures`` (real runs); plus ``grad_rel_error_max``,
-``neighbor_step_time_ratio``, ``neighbor_peak_memory_ratio`` and the details (``ablation``, ``step_costs``,
+``neighbor_step_time_ratio``, ``neighbor_peak_memory_ratio``, ``spread`` (``--spread``: the default policy's
+neighbors for one failure), ``mecefo_single_neighbor`` (the paper's spread 1, always reported) and the details
+(``ablation``, ``ablation_projection``, ``step_costs``,
 ``peak_memory``, ``by_preset``, ``throughput_drop_by_recovery_min``, ``quality``, ``plot``).
 """
 
