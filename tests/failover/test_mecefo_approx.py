@@ -269,3 +269,89 @@ def test_bad_config_and_double_attach_are_one_line_errors():
         comp.attach(_model())
     with pytest.raises(TrainguardError, match="no attention"):
         MeCeFO().attach(torch.nn.Linear(2, 2))
+
+
+# --------------------------------------------------------------------------------------------------
+# the low-rank gradient's V1^T product deferred to the step's last degraded micro-batch
+
+
+def _step_grads(model, comp, batches, defer: bool, fused: bool):
+    """One step's accumulated gradient over ``batches``, all degraded, ``more`` on all but the last."""
+    model.zero_grad(set_to_none=True)
+    comp.cfg.defer_projection = defer
+    comp.cfg.recompute_ffn = fused
+    per_micro = []
+    for j, (x, y) in enumerate(batches):
+        before = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        with comp.degraded_mode(True, more=j < len(batches) - 1):
+            lm_loss(model(x), y).backward()
+        per_micro.append({n: p.grad is not None and (before[n] is None or not torch.equal(p.grad, before[n]))
+                          for n, p in model.named_parameters()})
+    assert not comp.pending.parts  # the last micro-batch took the pending sums
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, per_micro
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-recompute", "low-rank-mode"])
+def test_deferred_projection_equals_the_per_micro_batch_one_and_the_exact_gradient_at_full_rank(fused):
+    batches = [_data(seed=s, b=1) for s in range(3)]
+    m = _model()
+    comp = MeCeFO(MeCeFOConfig(skip_mha=False, rank=4)).attach(m)
+    comp.refresh_bases(0)
+    now, touched = _step_grads(m, comp, batches, defer=False, fused=fused)
+    later, touched_later = _step_grads(m, comp, batches, defer=True, fused=fused)
+    ffn = [n for n in now if ".feed_forward." in n]
+    assert len(ffn) == 6 and now.keys() == later.keys()
+    for n in now:
+        torch.testing.assert_close(later[n], now[n], rtol=1e-5, atol=1e-7)
+    # deferred: the FFN weights get their gradient only in the last micro-batch (the others keep their part)
+    assert not any(touched_later[0][n] or touched_later[1][n] for n in ffn) and all(touched_later[2][n] for n in ffn)
+    assert all(touched[0][n] for n in ffn)
+    # at full rank the deferred low-rank gradient is the exact one
+    exact = MeCeFO(MeCeFOConfig(skip_mha=False, low_rank=False)).attach(_model())
+    ref, _ = _step_grads(exact.model, exact, batches, defer=False, fused=fused)
+    full = MeCeFO(MeCeFOConfig(skip_mha=False, rank=10_000)).attach(_model())
+    got, _ = _step_grads(full.model, full, batches, defer=True, fused=fused)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6)
+
+
+def test_on_the_elastic_engine_the_projection_waits_for_this_replicas_last_degraded_micro_batch():
+    from types import SimpleNamespace
+
+    from trainguard.train.parallel.base import MicroBatch
+    from trainguard.train.parallel.elastic import SyncPlan
+
+    nb = frozenset({"neighbor"})
+    m = _model()
+    comp = MeCeFO(MeCeFOConfig(rank=4, monitor_every=0)).attach(m)
+    work = [MicroBatch(0, 8, 0.125, tags=nb), MicroBatch(1, 8, 0.125), MicroBatch(5, 8, 0.125, tags=nb)]
+    strategy = SimpleNamespace(sync_plan=SyncPlan({3: work}), replica_id=3)
+    trainer = SimpleNamespace(step_idx=0, model=m, strategy=strategy)
+    data = {mb.index: _data(seed=mb.index, b=1) for mb in work}
+
+    def run(mbs):
+        rows = []
+        for mb in mbs:
+            m.zero_grad(set_to_none=True)
+            with comp.micro_batch_context(trainer, mb):
+                x, y = data[mb.index]
+                (lm_loss(m(x), y) * mb.weight).backward()
+            rows.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+        return rows
+
+    rows = run(work)
+    w1 = "layers.0.feed_forward.w1.weight"
+    assert w1 not in rows[0] and w1 in rows[1] and w1 in rows[2]  # the pending part lands in slice 5's row
+    comp.cfg.defer_projection = False
+    ref = run(work)
+    assert w1 in ref[0]
+    for n in ref[2]:
+        torch.testing.assert_close(sum(r[n] for r in rows if n in r), sum(r[n] for r in ref if n in r),
+                                   rtol=1e-5, atol=1e-7)
+    # a recovery appends extra degraded micro-batches after the planned ones: the last of those takes the sum
+    comp.cfg.defer_projection = True
+    extra = [MicroBatch(6, 8, 0.125, tags=nb), MicroBatch(7, 8, 0.125, tags=nb)]
+    data.update({mb.index: _data(seed=mb.index, b=1) for mb in extra})
+    strategy.sync_plan.work[3] = work + extra
+    rows = run(work + extra)
+    assert [w1 in r for r in rows] == [False, True, False, False, True] and not comp.pending.parts

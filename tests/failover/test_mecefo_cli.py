@@ -41,6 +41,16 @@ def test_bench_mecefo_json_contract_on_a_tiny_model(capsys, tmp_path):
     assert set(d["by_preset"]) == {"none", "low", "mid", "high"}
     assert set(d["throughput_drop_by_recovery_min"]) == {"1.0", "5.0", "10.0", "30.0"}
     assert d["quality"]["token_budget"] == 6 * 4 * 1 * 16
+    # the default spreads an out worker's 2 micro-batches over its ring neighbors; the paper's single neighbor
+    # (spread 1) is reported beside it, with the ablation's neighbor step
+    sp = d["spread"]
+    assert sp["config"] == "auto" and sp["parts"] == 2 and sp["neighbors_for_one_failure"] in (1, 2) and sp["degraded_cost"] > 0
+    single = d["mecefo_single_neighbor"]
+    assert all(k in single for k in ("tokens_per_s_no_failure", "tokens_per_s_failures", "throughput_drop",
+                                     "throughput_drop_by_preset", "throughput_drop_by_recovery_min"))
+    assert single["neighbor_step_time_ratio"] == pytest.approx(d["ablation"]["all"]["step_time_ratio"])
+    assert single["tokens_per_s_no_failure"] == pytest.approx(d["mecefo"]["tokens_per_s_no_failure"])
+    assert set(d["step_costs"]["neighbor_extra"]) == {"1", "2"}
     assert d["plot"] == str(plot) and plot.stat().st_size > 0
 
 
@@ -49,6 +59,8 @@ def test_bench_mecefo_json_contract_on_a_tiny_model(capsys, tmp_path):
     (["--recovery-min", "0"], "--recovery-min"),
     (["--steps", "0"], "steps"),
     (["--plot", "x.txt"], "--plot"),
+    (["--spread", "0"], "spread"),
+    (["--batch", "4", "--cost-micro-batch", "3"], "cost_micro_batch"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, msg):
     assert main(["bench", "mecefo", "--tiny", *argv, "--json"]) == 2

@@ -5,7 +5,9 @@ Registered by ``bench.py``.
 ``--json`` prints one object whose keys per method (``mecefo``, ``bamboo``, ``oobleck``, ``checkpoint_restart``) are
 ``tokens_per_s_no_failure``, ``tokens_per_s_failures``, ``throughput_drop`` (modelled: ``throughput_modelled`` is
 true), ``val_ppl_no_failure``, ``val_ppl_failures`` (real runs); plus ``grad_rel_error_max``,
-``neighbor_step_time_ratio``, ``neighbor_peak_memory_ratio`` and the details (``ablation``, ``step_costs``,
+``neighbor_step_time_ratio``, ``neighbor_peak_memory_ratio``, ``spread`` (``--spread``: the default policy's
+neighbors for one failure), ``mecefo_single_neighbor`` (the paper's spread 1, always reported) and the details
+(``ablation``, ``ablation_projection``, ``step_costs``,
 ``peak_memory``, ``by_preset``, ``throughput_drop_by_recovery_min``, ``quality``, ``plot``).
 """
 
@@ -31,6 +33,8 @@ def register_bench(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
     p.add_argument("--batch", type=int, default=4, help="sequences of one worker's step, cost measurement (default 4)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences of one worker's step, real runs (default 1)")
+    p.add_argument("--run-grad-accum", type=int, default=1,
+                   help="micro-batches of one worker's step, real runs (default 1: an out worker's step cannot spread)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (default 3)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of the real runs (default 3e-3)")
     p.add_argument("--eval-batches", type=int, default=16, help="validation batches (default 16)")
@@ -43,6 +47,12 @@ def register_bench(subparsers) -> None:
                    help="MeCeFO's techniques: all, none, or a comma list of skip_mha, recompute_ffn, low_rank")
     p.add_argument("--rank", type=int, default=128, help="low-rank r (default 128)")
     p.add_argument("--tau", type=int, default=200, help="steps between SVD refreshes (default 200)")
+    p.add_argument("--spread", default="auto",
+                   help="ring neighbors sharing an out worker's micro-batches: auto (default: the fewest whose "
+                        "neighbor step is no slower than a normal step) or an integer (1 = the paper's single neighbor)")
+    p.add_argument("--cost-micro-batch", type=int, default=1,
+                   help="sequences per micro-batch in the cost measurement (default 1: a worker's step is --batch "
+                        "micro-batches, and an out worker's share spreads over up to that many neighbors)")
     p.add_argument("--exact-own", action="store_true", help="a neighbor computes its own micro-batches exactly")
     p.add_argument("--monitor-every", type=int, default=2, help="gradient-error sampling in the MeCeFO run (default 2)")
     p.add_argument("--restart-min", type=float, default=5.0, help="checkpoint-restart: one global restart (default 5)")
@@ -89,13 +99,14 @@ def config_from_args(args):
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     overrides = dict(dim=32, n_layers=1, n_heads=2, ffn_hidden=64) if args.tiny else {}
     mecefo = replace(MeCeFOConfig(rank=args.rank, tau=args.tau, degrade_own=not args.exact_own,
-                                  monitor_every=args.monitor_every), **_techniques(args.techniques))
+                                  monitor_every=args.monitor_every, spread=args.spread), **_techniques(args.techniques))
     cluster = ClusterAssumptions(workers=args.workers, recovery_min=args.recovery_min, detect_s=args.detect_s,
                                  heal_s=args.heal_s, reconfig_s=args.reconfig_s, restart_s=args.restart_min * 60.0,
                                  checkpoint_s=args.checkpoint_s, horizon_h=args.horizon_h, seed=args.seed)
     return MeCeFOBenchConfig(
         model=args.model, model_overrides=overrides, workers=args.workers, failures=args.failures, steps=args.steps,
         run_workers=args.run_workers, seq_len=args.seq_len, batch=args.batch, run_micro_batch=args.micro_batch,
+        cost_micro_batch=args.cost_micro_batch, run_grad_accum=args.run_grad_accum,
         rounds=args.rounds, lr=args.lr, eval_batches=args.eval_batches, quality_hours=args.quality_hours,
         real_kills=args.real_kills, monitor_every=args.monitor_every, quality=not args.no_quality,
         quality_methods=tuple(m.strip() for m in args.quality_methods.split(",") if m.strip()),
@@ -132,8 +143,13 @@ def run(args) -> int:
     abl = [(name, f"{a['step_time_ratio']:.3f}", f"{a['activation_ratio']:.3f}") for name, a in res["ablation"].items()]
     out.print(table("neighbor step vs normal step (measured): the ablation", abl,
                     columns=("techniques", "step time ratio", "activation memory ratio")))
+    single = res["mecefo_single_neighbor"]
     out.print(table("MeCeFO", {"grad_rel_error_max": res["grad_rel_error_max"],
+                               "spread (neighbors for one failure)": f"{res['spread']['config']} -> "
+                                                                     f"{res['spread']['neighbors_for_one_failure']}",
                                "neighbor_step_time_ratio": res["neighbor_step_time_ratio"],
+                               "single neighbor: throughput change": _fmt(-single["throughput_drop"], pct=True),
+                               "single neighbor: neighbor_step_time_ratio": single["neighbor_step_time_ratio"],
                                "neighbor_peak_memory_ratio": res["neighbor_peak_memory_ratio"],
                                "plot": res.get("plot", "-")}))
     if args.json:

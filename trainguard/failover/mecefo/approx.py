@@ -22,7 +22,9 @@ nothing else, so a run in which no micro-batch is degraded is bitwise the run wi
   ``W`` (``y = W x``) becomes :class:`LowRankLinear`: the output and the input gradient are exact, the weight
   gradient is ``G_W ~ G_y (x^T V1) V1^T`` with ``V1`` the top-``rank`` right singular vectors of ``W``. Only
   ``x^T V1`` is kept for backward. ``V1`` is refreshed by an SVD of ``W`` when it is absent or ``tau`` steps old,
-  lazily, only on a replica that runs degraded (the SVD cost is amortised over ``tau`` steps).
+  lazily, only on a replica that runs degraded (the SVD cost is amortised over ``tau`` steps). The ``V1^T``
+  product is deferred (``defer_projection``, :class:`PendingProjection`): ``G_y^T (x V1)`` is summed over the
+  replica's degraded micro-batches of the step and projected once, in the last of them.
 
 On the elastic strategy :meth:`MeCeFO.install` also enters a context around every micro-batch (degraded iff
 the plan tagged it ``{"neighbor"}``) and, on sampled steps (``monitor_every``), measures what the paper's
@@ -46,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from trainguard.errors import ConfigError, TrainguardError
+from trainguard.failover.mecefo.ring import parse_spread
 from trainguard.models.llama import Attention, FeedForward
 from trainguard.train.activation_checkpoint import checkpoint_contexts, is_wrapped
 from trainguard.utils.settings import setting
@@ -68,11 +71,21 @@ class MeCeFOConfig:
                                              "the rest in backward")
     low_rank: bool = setting(True, help="degraded micro-batches get the low-rank FFN weight gradient "
                                         "G_y (x^T V1) V1^T")
+    defer_projection: bool = setting(True, help="low_rank: sum G_y^T (x V1) over a replica's degraded micro-batches "
+                                                "of the step and multiply by V1^T once, in its last one (the same "
+                                                "gradient up to rounding; false: once per micro-batch)")
     rank: int = setting(128, help="r: right singular vectors of each FFN weight in V1 (at most the weight's "
                                   "smaller side)")
     tau: int = setting(200, help="steps between SVD refreshes of V1 (only on a replica that runs degraded)")
     degrade_own: bool = setting(True, help="a neighbor also computes its own micro-batches degraded while it "
                                            "carries a failed replica's (the paper's neighbor-do-both)")
+    spread: int | str = setting("auto", help="how many ring neighbors share a failed replica's micro-batches "
+                                             "(round-robin): 1 = the paper's single neighbor; k; 'auto' = the "
+                                             "smallest k whose neighbor step is estimated no slower than a normal "
+                                             "step (degraded_cost), keeping one replica that is nobody's neighbor")
+    degraded_cost: float = setting(0.75, help="spread='auto': a degraded micro-batch's compute time relative to an "
+                                              "exact one (the default: CPU, llama-60m, all three techniques, "
+                                              "docs/mecefo.md; the bench sets its own measurement)")
     monitor_every: int = setting(10, help="on degraded steps that are multiples of this, measure the gradient's "
                                           "relative error vs the failure-free gradient, compute time and "
                                           "activation memory (0: never)")
@@ -83,6 +96,12 @@ class MeCeFOConfig:
                 raise ConfigError(f"mecefo.{name} must be >= 1, got {getattr(self, name)}")
         if self.monitor_every < 0:
             raise ConfigError(f"mecefo.monitor_every must be >= 0, got {self.monitor_every}")
+        try:
+            self.spread = parse_spread(self.spread)
+        except TrainguardError as e:
+            raise ConfigError(str(e)) from None
+        if not self.degraded_cost > 0:
+            raise ConfigError(f"mecefo.degraded_cost must be > 0, got {self.degraded_cost}")
         return self
 
     def techniques(self) -> str:
@@ -95,17 +114,56 @@ class MeCeFOConfig:
 # Low-rank weight gradient
 
 
+class PendingProjection:
+    """The low-rank weight gradient's deferred part: ``G_y^T (x V1)`` (``out x r``) summed per weight over the
+    degraded micro-batches of a step, multiplied by ``V1^T`` once, in the last of them. ``V1^T`` is linear, so
+    the sum is the per-micro-batch gradient up to rounding, for one ``(out x r)(r x in)`` product per step
+    instead of one per micro-batch (at a few hundred tokens per micro-batch that product costs about as much
+    as the low-rank gradient saves). ``defer``: more degraded micro-batches of this step follow (read when a
+    micro-batch's forward runs; its backward then returns no gradient for the weight and keeps the part)."""
+
+    def __init__(self):
+        self.defer = False
+        self.parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (pending G_y^T (x V1), V1)
+
+    def weight_grad(self, part: torch.Tensor, key: int, basis: torch.Tensor, defer: bool):
+        """This micro-batch's weight gradient (None while deferring) given its ``part``. ``key``: ``id`` of the
+        weight *parameter*, taken in forward (a tensor unpacked from the saved tensors in backward is a fresh
+        Python object whose id may be another's). A part pending under another basis (refreshed in between) is
+        projected with its own basis now."""
+        out = None
+        if key in self.parts:
+            before, old = self.parts.pop(key)
+            if old is basis:
+                part = before + part
+            else:
+                out = before.mm(old.t().to(before.dtype))
+        if defer:
+            self.parts[key] = (part, basis)
+            return out
+        now = part.mm(basis.t().to(part.dtype))
+        return now if out is None else out + now
+
+    def clear(self) -> None:
+        self.parts = {}
+
+
 class LowRankLinear(torch.autograd.Function):
     """``y = x W^T`` with the exact output and input gradient and the weight gradient
     ``G_W = G_y^T (x V1) V1^T`` (``V1``: ``(in_features, r)`` with orthonormal columns). Keeps ``x V1`` (r
-    columns), not ``x``, for backward."""
+    columns), not ``x``, for backward. ``pending`` (a :class:`PendingProjection`, optional) defers the
+    ``V1^T`` product to the step's last degraded micro-batch."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, basis: torch.Tensor,
+                pending: PendingProjection | None = None) -> torch.Tensor:
         y = F.linear(x, weight)
         xb = torch.matmul(x, basis.to(y.dtype) if x.dtype != basis.dtype else basis)
         ctx.save_for_backward(xb, weight, basis)
         ctx.x_dtype = x.dtype
+        ctx.pending = pending
+        ctx.defer = pending is not None and pending.defer
+        ctx.key = id(weight)
         return y
 
     @staticmethod
@@ -118,8 +176,12 @@ class LowRankLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             g2 = g.reshape(-1, g.shape[-1])
             p = xb.reshape(-1, xb.shape[-1]).to(weight.dtype)
-            gw = torch.matmul(torch.matmul(g2.t(), p), basis.t().to(weight.dtype))
-        return gx, gw, None
+            part = torch.matmul(g2.t(), p)
+            if ctx.pending is None:
+                gw = torch.matmul(part, basis.t().to(weight.dtype))
+            else:
+                gw = ctx.pending.weight_grad(part, ctx.key, basis, ctx.defer)
+        return gx, gw, None, None
 
 
 class DegradedSwiGLU(torch.autograd.Function):
@@ -129,11 +191,14 @@ class DegradedSwiGLU(torch.autograd.Function):
     FFN, so with no basis the gradients are bitwise those of the stored FFN (CPU)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, w3, v1, v2, v3):
+    def forward(ctx, x, w1, w2, w3, v1, v2, v3, pending=None):
         h1, h3 = F.linear(x, w1), F.linear(x, w3)
         y = F.linear(F.silu(h1) * h3, w2)
         ctx.save_for_backward(x, w1, w2, w3, *(v if v is not None else torch.empty(0) for v in (v1, v2, v3)))
         ctx.has_basis = (v1 is not None, v2 is not None, v3 is not None)
+        ctx.pending = pending
+        ctx.defer = pending is not None and pending.defer
+        ctx.keys = (id(w1), id(w2), id(w3))
         return y
 
     @staticmethod
@@ -145,21 +210,27 @@ class DegradedSwiGLU(torch.autograd.Function):
             a = F.silu(h1)
             g = a * h3
             dg = dy.matmul(w2)
-            dw2 = _weight_grad(dy, g, v2) if ctx.needs_input_grad[2] else None
+            k1, k2, k3 = ctx.keys
+            dw2 = _weight_grad(dy, g, v2, k2, ctx) if ctx.needs_input_grad[2] else None
             dh3 = dg * a
             dh1 = torch.ops.aten.silu_backward(dg * h3, h1)
             dx = dh1.matmul(w1) + dh3.matmul(w3) if ctx.needs_input_grad[0] else None
-            dw1 = _weight_grad(dh1, x, v1) if ctx.needs_input_grad[1] else None
-            dw3 = _weight_grad(dh3, x, v3) if ctx.needs_input_grad[3] else None
-        return dx, dw1, dw2, dw3, None, None, None
+            dw1 = _weight_grad(dh1, x, v1, k1, ctx) if ctx.needs_input_grad[1] else None
+            dw3 = _weight_grad(dh3, x, v3, k3, ctx) if ctx.needs_input_grad[3] else None
+        return dx, dw1, dw2, dw3, None, None, None, None
 
 
-def _weight_grad(gy: torch.Tensor, x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
-    """``G_y^T x`` over the flattened batch; with a basis, ``(G_y^T (x V1)) V1^T``."""
+def _weight_grad(gy: torch.Tensor, x: torch.Tensor, basis: torch.Tensor | None, key: int = 0, ctx=None) -> torch.Tensor | None:
+    """``G_y^T x`` over the flattened batch; with a basis, ``(G_y^T (x V1)) V1^T`` (the ``V1^T`` product deferred
+    when ``ctx.pending`` says so)."""
     g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
     if basis is None:
         return g2.t().mm(x2)
-    return g2.t().mm(x2.mm(basis)).mm(basis.t())
+    part = g2.t().mm(x2.mm(basis))
+    pending = getattr(ctx, "pending", None)
+    if pending is None:
+        return part.mm(basis.t())
+    return pending.weight_grad(part, key, basis, ctx.defer)
 
 
 def low_rank_basis(weight: torch.Tensor, rank: int) -> torch.Tensor:
@@ -175,9 +246,10 @@ def low_rank_basis(weight: torch.Tensor, rank: int) -> torch.Tensor:
 class _LowRankMode(TorchFunctionMode):
     """Routes ``F.linear(x, W)`` for the weights in ``bases`` (by identity) through :class:`LowRankLinear`."""
 
-    def __init__(self, bases: dict[int, torch.Tensor]):
+    def __init__(self, bases: dict[int, torch.Tensor], pending: PendingProjection | None = None):
         super().__init__()
         self.bases = bases
+        self.pending = pending
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -186,7 +258,7 @@ class _LowRankMode(TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             basis = self.bases.get(id(weight))
             if basis is not None and bias is None:
-                return LowRankLinear.apply(args[0] if args else kwargs["input"], weight, basis)
+                return LowRankLinear.apply(args[0] if args else kwargs["input"], weight, basis, self.pending)
         return func(*args, **kwargs)
 
 
@@ -254,6 +326,7 @@ class MeCeFO:
     def __init__(self, config: MeCeFOConfig | None = None):
         self.cfg = (config or MeCeFOConfig()).validate()
         self.degraded = False
+        self.pending = PendingProjection()  # the deferred V1^T products of the step (defer_projection)
         self.step = 0  # the step the bases' ages are counted against (set per micro-batch on a Trainer)
         self.bases: dict[str, torch.Tensor] = {}  # FFN weight name -> V1 (in_features x r)
         self.refreshed: dict[str, int] = {}  # FFN weight name -> step of its SVD
@@ -312,14 +385,17 @@ class MeCeFO:
         return self
 
     @contextlib.contextmanager
-    def degraded_mode(self, on: bool = True) -> Iterator[None]:
-        """Switch the approximations on (or off) for what runs inside, forward and backward."""
-        before = self.degraded
+    def degraded_mode(self, on: bool = True, more: bool = False) -> Iterator[None]:
+        """Switch the approximations on (or off) for what runs inside, forward and backward. ``more``: further
+        degraded micro-batches of this step follow, so the low-rank weight gradient's ``V1^T`` product waits
+        for the last of them (``defer_projection``); that one's backward returns the whole sum."""
+        before = self.degraded, self.pending.defer
         self.degraded = bool(on)
+        self.pending.defer = bool(on and more and self.cfg.defer_projection)
         try:
             yield
         finally:
-            self.degraded = before
+            self.degraded, self.pending.defer = before
 
     # ---- state (registered with the trainer) -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -345,12 +421,13 @@ class MeCeFO:
         reg = checkpoint_contexts(self.model)
         if recompute and self._fusable(module, x, reg):
             w1, w2, w3 = module.w1.weight, module.w2.weight, module.w3.weight
-            return DegradedSwiGLU.apply(x, w1, w2, w3, bases.get(id(w1)), bases.get(id(w2)), bases.get(id(w3)))
+            return DegradedSwiGLU.apply(x, w1, w2, w3, bases.get(id(w1)), bases.get(id(w2)), bases.get(id(w3)),
+                                        self.pending)
         run = call_next
         if bases:
 
-            def run(t, _next=call_next, _bases=bases):
-                with _LowRankMode(_bases):
+            def run(t, _next=call_next, _bases=bases, _pending=self.pending):
+                with _LowRankMode(_bases, _pending):
                     return _next(t)
 
         if recompute:
@@ -399,6 +476,7 @@ class MeCeFO:
     # ---- on a Trainer: per step, per micro-batch, after the reduction ------------------------------------
     def _reset_step(self, step: int) -> None:
         self._acc_step = step
+        self.pending.clear()  # parts of an abandoned attempt (the step is computed afresh)
         self._compute_s = 0.0
         self._n_micro = 0
         self._n_degraded = 0
@@ -431,7 +509,7 @@ class MeCeFO:
         sampled = self.sampled(step)
         meter = ActivationMeter(trainer.model, list(self.bases.values())) if sampled else contextlib.nullcontext()
         t0 = time.perf_counter()
-        with self.degraded_mode(degraded), meter:
+        with self.degraded_mode(degraded, more=degraded and _more_degraded(trainer, mb)), meter:
             yield
             if sampled and degraded and not mb.keep:
                 flat = _flat_grads(trainer.model)
@@ -509,6 +587,18 @@ class MeCeFO:
         return out
 
 
+def _more_degraded(trainer: Trainer, mb: MicroBatch) -> bool:
+    """Does this replica compute another degraded micro-batch after ``mb`` in this step (by the plan as it stands:
+    a recovery appends its extra micro-batches to the plan before computing them)?"""
+    strategy = trainer.strategy
+    plan = getattr(strategy, "sync_plan", None)
+    if plan is None:
+        return False
+    work = plan.work.get(strategy.replica_id, [])
+    at = next((i for i, w in enumerate(work) if w.index == mb.index and w.keep == mb.keep), None)
+    return at is not None and any(NEIGHBOR in w.tags for w in work[at + 1:])
+
+
 def _flat_grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
                       for p in model.parameters() if p.requires_grad])
@@ -539,5 +629,5 @@ def _group_allreduce(trainer: Trainer) -> Callable[[torch.Tensor], bool] | None:
     return group.allreduce_sum if group is not None else None
 
 
-__all__ = ["MHA_GROUP", "NEIGHBOR", "ActivationMeter", "LowRankLinear", "MeCeFO", "MeCeFOConfig", "low_rank_basis",
+__all__ = ["MHA_GROUP", "NEIGHBOR", "ActivationMeter", "LowRankLinear", "MeCeFO", "MeCeFOConfig", "PendingProjection", "low_rank_basis",
            "mha_parameter_names"]

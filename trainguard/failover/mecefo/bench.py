@@ -62,7 +62,12 @@ class MeCeFOBenchConfig:
     run_workers: int = setting(4, help="worker processes of the real runs")
     seq_len: int = setting(256, help="tokens per sequence (GaLore's LLaMA recipe: 256)")
     batch: int = setting(4, help="sequences of one worker's step in the cost measurement")
-    run_micro_batch: int = setting(1, help="sequences of one worker's step in the real runs")
+    cost_micro_batch: int = setting(1, help="sequences of one micro-batch in the cost measurement: a worker's step "
+                                            "is batch / cost_micro_batch micro-batches (gradient accumulation), and "
+                                            "an out worker's share spreads over up to that many neighbors")
+    run_micro_batch: int = setting(1, help="sequences of one micro-batch in the real runs")
+    run_grad_accum: int = setting(1, help="micro-batches of one worker's step in the real runs (an out worker's "
+                                          "micro-batches spread over up to this many neighbors)")
     rounds: int = setting(3, help="interleaved measurement rounds (medians)")
     lr: float = setting(3e-3, help="peak learning rate of the real runs (AdamW, warmup 10%, cosine to 10%)")
     eval_batches: int = setting(16, help="validation batches of the real runs' perplexity")
@@ -84,9 +89,13 @@ class MeCeFOBenchConfig:
     def validate(self) -> MeCeFOBenchConfig:
         if self.failures not in PRESETS:
             raise TrainguardError(f"--failures must be one of {', '.join(PRESETS)}, got {self.failures!r}")
-        for name in ("steps", "run_workers", "seq_len", "batch", "run_micro_batch", "rounds", "eval_batches", "threads"):
+        for name in ("steps", "run_workers", "seq_len", "batch", "run_micro_batch", "run_grad_accum", "rounds",
+                     "eval_batches", "threads", "cost_micro_batch"):
             if getattr(self, name) < 1:
                 raise TrainguardError(f"bench mecefo: {name} must be >= 1, got {getattr(self, name)}")
+        if self.batch % self.cost_micro_batch:
+            raise TrainguardError(f"bench mecefo: batch ({self.batch}) must be a multiple of cost_micro_batch "
+                                  f"({self.cost_micro_batch})")
         if self.run_workers < 2:
             raise TrainguardError(f"bench mecefo: run_workers must be >= 2, got {self.run_workers}")
         if self.real_kills < 0 or not self.quality_hours > 0:
@@ -102,8 +111,13 @@ class MeCeFOBenchConfig:
         return self
 
     @property
+    def parts(self) -> int:
+        """Micro-batches of one worker's step in the cost measurement."""
+        return self.batch // self.cost_micro_batch
+
+    @property
     def token_budget(self) -> int:
-        return self.steps * self.run_workers * self.run_micro_batch * self.seq_len
+        return self.steps * self.run_workers * self.run_grad_accum * self.run_micro_batch * self.seq_len
 
 
 # --------------------------------------------------------------------------------------------------
@@ -134,31 +148,42 @@ class _Harness:
         self.x, self.y = self.batches.batch(0)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
-    def share(self, i: int, sequences: int | None = None):
-        b = self.cfg.batch if sequences is None else sequences
-        lo = i * self.cfg.batch if sequences is None else 0
-        return self.x[lo:lo + b], self.y[lo:lo + b]
+    def micro_batches(self, i: int, count: int | None = None, sequences: int | None = None):
+        """Share ``i``'s micro-batches (``cost_micro_batch`` sequences each; the first ``count`` of them), or, with
+        ``sequences``, a share of that many sequences (rebalanced), as (x, y) pairs."""
+        mb = self.cfg.cost_micro_batch
+        if sequences is not None:
+            return [(self.x[lo:min(lo + mb, sequences)], self.y[lo:min(lo + mb, sequences)])
+                    for lo in range(0, sequences, mb)]
+        base = i * self.cfg.batch
+        parts = self.cfg.batch // mb if count is None else count
+        return [(self.x[base + j * mb:base + (j + 1) * mb], self.y[base + j * mb:base + (j + 1) * mb])
+                for j in range(parts)]
 
-    def micro(self, x, y, degraded: bool, techniques: MeCeFOConfig | None = None) -> None:
+    def micro(self, x, y, degraded: bool, techniques: MeCeFOConfig | None = None, more: bool = False) -> None:
         if techniques is not None:
             self.comp.cfg = techniques
-        with self.comp.degraded_mode(degraded):
+        with self.comp.degraded_mode(degraded, more=more):
             self.loss_fn(self.model(x), y).backward()
 
-    def step(self, spec: list[tuple[str, int]], techniques: MeCeFOConfig | None = None,
+    def step(self, spec: list[tuple], techniques: MeCeFOConfig | None = None,
              sequences: int | None = None) -> tuple[float, float]:
-        """One step: ``spec`` = [(mode, share)] with mode exact | degraded | kept (a redundant copy kept apart);
-        returns its (CPU seconds of this process, wall seconds)."""
+        """One step: ``spec`` = [(mode, share[, micro-batches])] with mode exact | degraded | kept (a redundant
+        copy kept apart), each share computed as its micro-batches (the first ``micro-batches`` of them when
+        given); returns its (CPU seconds of this process, wall seconds)."""
         c0, t0 = time.process_time(), time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         kept = None
-        for mode, i in spec:
+        todo = [(item[0], xy) for item in spec
+                for xy in self.micro_batches(item[1], item[2] if len(item) > 2 else None, sequences)]
+        last_degraded = max((j for j, (mode, _) in enumerate(todo) if mode == "degraded"), default=-1)
+        for j, (mode, (x, y)) in enumerate(todo):
             if mode == "kept":  # a redundant copy: computed, then held apart from the counted gradient
-                self.micro(*self.share(i, sequences), degraded=False)
+                self.micro(x, y, degraded=False)
                 kept = [p.grad for p in self.params]
                 self.optimizer.zero_grad(set_to_none=True)
             else:
-                self.micro(*self.share(i, sequences), degraded=(mode == "degraded"), techniques=techniques)
+                self.micro(x, y, degraded=(mode == "degraded"), techniques=techniques, more=j < last_degraded)
         self.optimizer.step()
         out = time.process_time() - c0, time.perf_counter() - t0
         del kept
@@ -172,9 +197,9 @@ class _Harness:
         return time.process_time() - c0
 
     def activation_peak(self, degraded: bool, techniques: MeCeFOConfig | None = None) -> int:
-        """Bytes saved for backward by one micro-batch (one share)."""
+        """Bytes saved for backward by one micro-batch."""
         self.optimizer.zero_grad(set_to_none=True)
-        x, y = self.share(0)
+        x, y = self.micro_batches(0)[0]
         if techniques is not None:
             self.comp.cfg = techniques
         if degraded and not self.comp.bases:
@@ -217,6 +242,13 @@ def measure_costs(cfg: MeCeFOBenchConfig, progress: bool = False) -> dict[str, A
         for name, flags in ABLATION.items():
             roles[f"neighbor[{name}]"] = (lambda t: lambda: h.step([("degraded", 0), ("degraded", 1)], t))(
                 _techniques(base, flags))
+        for name in ("low_rank", "all"):  # the low-rank gradient's V1^T product once per micro-batch, side by side
+            t = replace(_techniques(base, ABLATION[name]), defer_projection=False)
+            roles[f"neighbor[{name}, projection per micro-batch]"] = (
+                lambda t_: lambda: h.step([("degraded", 0), ("degraded", 1)], t_))(t)
+        for e in range(1, cfg.parts):  # a neighbor carrying e of an out worker's micro-batches (spread)
+            roles[f"neighbor+{e}/{cfg.parts}"] = (lambda e_: lambda: h.step([("degraded", 0), ("degraded", 1, e_)],
+                                                                              base))(e)
         for s in loads:
             roles[f"rebalanced[{s}]"] = (lambda s_: lambda: h.step([("exact", 0)], sequences=s_))(s)
         svd: list[float] = []
@@ -254,7 +286,11 @@ def measure_costs(cfg: MeCeFOBenchConfig, progress: bool = False) -> dict[str, A
                            "activation_mb_per_micro_batch": acts[name] / 2**20,
                            "activation_ratio": acts[name] / act_normal if act_normal else math.nan}
                     for name in ABLATION}
+        deferral = {name: {"step_time_ratio_deferred": med[f"neighbor[{name}]"] / normal,
+                           "step_time_ratio_per_micro_batch": med[f"neighbor[{name}, projection per micro-batch]"] / normal}
+                    for name in ("low_rank", "all")}
         return {
+            "deferral": deferral,
             "measured": True, "clock": "CPU seconds of the measuring process (one torch thread), medians over rounds: "
                                        "other processes on a shared machine do not inflate them as they do wall time",
             "threads": cfg.threads, "rounds": cfg.rounds, "batch": cfg.batch, "seq_len": cfg.seq_len,
@@ -267,17 +303,47 @@ def measure_costs(cfg: MeCeFOBenchConfig, progress: bool = False) -> dict[str, A
             "neighbor_activation_ratio": acts[chosen] / act_normal if act_normal else math.nan,
             "redundant_step_time_ratio": med["bamboo"] / normal,
             "rebalanced": {int(s): med[f"rebalanced[{s}]"] for s in loads},
+            "parts": cfg.parts, "cost_micro_batch": cfg.cost_micro_batch,
+            # own share + e of an out worker's parts, degraded (e = parts is the single neighbor's step)
+            "neighbor_extra": {e: med[f"neighbor+{e}/{cfg.parts}"] for e in range(1, cfg.parts)}
+            | {cfg.parts: med[f"neighbor[{chosen}]"]},
         }
     finally:
         torch.set_num_threads(threads)
 
 
-def step_costs(costs: dict[str, Any], cfg: MeCeFOBenchConfig) -> StepCosts:
+def step_costs(costs: dict[str, Any], cfg: MeCeFOBenchConfig, spread: int | str | None = None) -> StepCosts:
     s = costs["step_s"]
     return StepCosts(normal=s["normal"], neighbor=s[f"neighbor[{costs['techniques']}]"], bamboo=s["bamboo"],
                      bamboo_cover=s["bamboo_cover"], optimizer=costs["optimizer_s"],
                      rebalanced={int(k): v for k, v in costs["rebalanced"].items()}, batch=cfg.batch,
-                     svd_s=costs["svd_refresh_s"], tau=cfg.mecefo.tau, degrade_own=cfg.mecefo.degrade_own)
+                     svd_s=costs["svd_refresh_s"], tau=cfg.mecefo.tau, degrade_own=cfg.mecefo.degrade_own,
+                     parts=cfg.parts, neighbor_extra={int(e): v for e, v in costs["neighbor_extra"].items()},
+                     spread=cfg.mecefo.spread if spread is None else spread)
+
+
+def degraded_cost(costs: dict[str, Any]) -> float:
+    """A degraded micro-batch's compute time relative to an exact one, from the measured steps (the single
+    neighbor's two degraded shares against a normal worker's one exact share, optimizer step left out)."""
+    s, opt = costs["step_s"], costs["optimizer_s"]
+    return max((s[f"neighbor[{costs['techniques']}]"] - opt) / 2.0, 1e-12) / max(s["normal"] - opt, 1e-12)
+
+
+def spread_for_one_failure(sc: StepCosts, workers: int) -> tuple[int, float, bool]:
+    """(spread, its most loaded neighbor's step time ratio to a normal step, measured?) with one worker out of
+    ``workers``, as the cluster model resolves it (the default policy's neighbor)."""
+    from trainguard.failover.mecefo.ring import assign, resolve
+
+    up, p = list(range(1, workers)), sc.parts
+    own_degraded = sc.degrade_own and workers > 2
+
+    def host(e: int) -> tuple[float, bool]:
+        return sc.step_parts(0, p + e) if own_degraded else sc.step_parts(p, e)
+
+    k = resolve(sc.spread, {0: p}, up, workers, lambda e: host(e)[0] > sc.normal + 1e-12)
+    extra = max(len(v) for v in assign({0: p}, up, workers, k).values())
+    t, ok = host(extra)
+    return k, t / sc.normal, ok
 
 
 def _rss_probe(cfg: MeCeFOBenchConfig, role: str, out) -> None:
@@ -338,7 +404,7 @@ def measure_peak_memory(cfg: MeCeFOBenchConfig, progress: bool = False) -> dict[
 # 3. Quality: real runs
 
 
-def _run_config(cfg: MeCeFOBenchConfig, method: str, preset: str) -> FailoverRunConfig:
+def _run_config(cfg: MeCeFOBenchConfig, method: str, preset: str, mecefo: MeCeFOConfig | None = None) -> FailoverRunConfig:
     timeline = FailureTimeline.from_preset(preset, cfg.run_workers, cfg.steps, cfg.quality_hours,
                                            cfg.cluster.recovery_min, cfg.seed, real=cfg.real_kills)
     every = 1
@@ -348,14 +414,14 @@ def _run_config(cfg: MeCeFOBenchConfig, method: str, preset: str) -> FailoverRun
     return FailoverRunConfig(
         method=method, workers=cfg.run_workers, steps=cfg.steps, model=cfg.model,
         model_overrides={"max_seq_len": max(cfg.seq_len, 16), **cfg.model_overrides}, seq_len=cfg.seq_len,
-        micro_batch=cfg.run_micro_batch, grad_accum=1, lr=cfg.lr, seed=cfg.seed,
+        micro_batch=cfg.run_micro_batch, grad_accum=cfg.run_grad_accum, lr=cfg.lr, seed=cfg.seed,
         corpus_max_bytes=cfg.corpus_max_bytes, timeline=timeline,
-        mecefo=replace(cfg.mecefo, monitor_every=cfg.monitor_every), checkpoint_every=every,
+        mecefo=replace(mecefo or cfg.mecefo, monitor_every=cfg.monitor_every), checkpoint_every=every,
         threads_per_worker=cfg.threads, eval_batches=cfg.eval_batches, timeout_s=60.0)
 
 
 def quality_runs(cfg: MeCeFOBenchConfig, progress: bool = False,
-                 note: Callable[[str], None] | None = None) -> dict[str, Any]:
+                 note: Callable[[str], None] | None = None, mecefo: MeCeFOConfig | None = None) -> dict[str, Any]:
     """The failure-free run and one run per method under ``cfg.failures``; ``note(text)`` after each."""
     jobs = [("no_failure", "mecefo", "none")]
     if cfg.failures != "none":
@@ -364,7 +430,7 @@ def quality_runs(cfg: MeCeFOBenchConfig, progress: bool = False,
     runs: dict[str, Any] = {}
     try:
         for label, method, preset in jobs:
-            rc = _run_config(cfg, method, preset)
+            rc = _run_config(cfg, method, preset, mecefo)
 
             def tick(kind, r, info, _label=label):
                 if kind == "step" and r == min(info["live"]):
@@ -417,14 +483,24 @@ def bench(cfg: MeCeFOBenchConfig, progress: bool = False, note: Callable[[str], 
     if memory:
         note(f"peak memory ratio neighbor/normal {memory['neighbor_peak_memory_ratio']:.3f}")
     sc = step_costs(costs, cfg)
+    single = step_costs(costs, cfg, spread=1)  # the paper's single neighbor, for comparison
     tokens_share = cfg.batch * cfg.seq_len
     by_preset = {p: cluster_throughput(sc, p, cfg.cluster, tokens_share) for p in ("none", *PRESETS_MTBF_HOURS)}
-    sensitivity = {}
+    single_by_preset = {p: cluster_throughput(single, p, cfg.cluster, tokens_share)
+                        for p in ("none", *PRESETS_MTBF_HOURS)}
+    sensitivity, single_sensitivity = {}, {}
     if cfg.failures != "none":
         for rec in (1.0, 5.0, 10.0, 30.0):
             r = cluster_throughput(sc, cfg.failures, replace(cfg.cluster, recovery_min=rec), tokens_share)
             sensitivity[str(rec)] = {m: r[m]["throughput_drop"] for m in CLUSTER_METHODS}
-    runs = quality_runs(cfg, progress, note) if cfg.quality else {}
+            r = cluster_throughput(single, cfg.failures, replace(cfg.cluster, recovery_min=rec), tokens_share)
+            single_sensitivity[str(rec)] = r["mecefo"]["throughput_drop"]
+    k1, ratio, ratio_measured = spread_for_one_failure(sc, cfg.workers)
+    dcost = degraded_cost(costs)
+    note(f"spread {cfg.mecefo.spread!s} -> {k1} neighbors for one failure: neighbor step {ratio:.3f} x normal "
+         f"({'measured' if ratio_measured else 'extrapolated'}); degraded micro-batch {dcost:.3f} x exact")
+    run_mecefo = replace(cfg.mecefo, degraded_cost=dcost)
+    runs = quality_runs(cfg, progress, note, run_mecefo) if cfg.quality else {}
     chosen = by_preset[cfg.failures]
     out: dict[str, Any] = {
         "model": cfg.model, "workers": cfg.workers, "failures": cfg.failures, "steps": cfg.steps,
@@ -447,29 +523,48 @@ def bench(cfg: MeCeFOBenchConfig, progress: bool = False, note: Callable[[str], 
     errs = [e for r in runs.values() for e in r.get("grad_rel_errors", [])]
     out["grad_rel_error_max"] = max(errs) if errs else None
     out["grad_rel_error_samples"] = len(errs)
-    out["neighbor_step_time_ratio"] = costs["neighbor_step_time_ratio"]
+    out["neighbor_step_time_ratio"] = ratio
+    out["spread"] = {"config": cfg.mecefo.spread, "neighbors_for_one_failure": k1, "parts": cfg.parts,
+                     "neighbor_step_time_ratio_measured": ratio_measured, "degraded_cost": dcost,
+                     "note": (f"an out worker's share is {cfg.parts} micro-batch(es) of {cfg.cost_micro_batch} "
+                              f"sequence(s); spread over {k1} ring neighbor(s) with one worker out. "
+                              + ("The real runs have one micro-batch per worker step, so they cannot spread (every "
+                                 "spread is the single neighbor there)" if cfg.run_grad_accum == 1 else
+                                 f"The real runs have {cfg.run_grad_accum} micro-batches per worker step "
+                                 f"({cfg.run_workers} workers: auto spreads over at most {cfg.run_workers - 2})"))}
+    sp = single_by_preset[cfg.failures]["mecefo"]
+    out["mecefo_single_neighbor"] = {
+        "what": "the paper's MeCeFO: the single next neighbor computes both shares (spread = 1); modelled like the rest",
+        "tokens_per_s_no_failure": sp["tokens_per_s_no_failure"], "tokens_per_s_failures": sp["tokens_per_s_failures"],
+        "throughput_drop": sp["throughput_drop"], "neighbor_step_time_ratio": costs["neighbor_step_time_ratio"],
+        "throughput_drop_by_preset": {p: r["mecefo"]["throughput_drop"] for p, r in single_by_preset.items()},
+        "throughput_drop_by_recovery_min": single_sensitivity,
+        "extrapolated": single_by_preset[cfg.failures]["extrapolated"],
+    }
     out["neighbor_peak_memory_ratio"] = memory["neighbor_peak_memory_ratio"] if memory else None
     out["neighbor_activation_ratio"] = costs["neighbor_activation_ratio"]
     out["ablation"] = costs["ablation"]
+    out["ablation_projection"] = costs["deferral"]
     out["step_costs"] = {k: costs[k] for k in ("clock", "step_s", "optimizer_s", "svd_refresh_s", "tau", "rank",
                                                "threads", "rounds", "batch", "seq_len", "rebalanced", "step_s_rounds",
                                                "wall_s_median",
                                                "redundant_step_time_ratio", "activation_mb_per_micro_batch_normal",
-                                               "techniques")}
+                                               "techniques", "parts", "cost_micro_batch", "neighbor_extra")}
     out["peak_memory"] = memory
     out["by_preset"] = {p: {m: {k: v for k, v in r[m].items()} for m in CLUSTER_METHODS} | {
         "failures": r["failures"], "extrapolated": r["extrapolated"]} for p, r in by_preset.items()}
     out["throughput_drop_by_recovery_min"] = sensitivity
     out["cluster_assumptions"] = asdict(cfg.cluster)
     out["quality"] = {"token_budget": cfg.token_budget, "run_workers": cfg.run_workers, "steps": cfg.steps,
-                      "tokens_per_step": cfg.run_workers * cfg.run_micro_batch * cfg.seq_len, "lr": cfg.lr,
+                      "tokens_per_step": cfg.run_workers * cfg.run_grad_accum * cfg.run_micro_batch * cfg.seq_len,
+                      "grad_accum": cfg.run_grad_accum, "lr": cfg.lr,
                       "quality_hours": cfg.quality_hours, "no_failure_run": "one run with MeCeFO installed and no "
                       "failure: the failure-free run of every method (their failure-free steps compute the same "
                       "slices with the same weights)", "runs": runs}
-    out["mecefo_config"] = asdict(cfg.mecefo)
+    out["mecefo_config"] = asdict(run_mecefo)
     out["wall_s"] = time.perf_counter() - t0
     return out
 
 
-__all__ = ["ABLATION", "MeCeFOBenchConfig", "bench", "measure_costs", "measure_peak_memory", "quality_runs",
-           "rebalanced_loads", "step_costs"]
+__all__ = ["ABLATION", "MeCeFOBenchConfig", "bench", "degraded_cost", "measure_costs", "measure_peak_memory",
+           "quality_runs", "rebalanced_loads", "spread_for_one_failure", "step_costs"]

@@ -16,8 +16,11 @@ Inputs:
 The model: data parallelism is synchronous, so a step takes as long as its slowest worker. Between events the
 set of out workers is constant and each method's step time follows from it:
 
-* MeCeFO: an out worker's share goes to the next worker in the ring, which runs its own and the carried shares
-  degraded (own exact when every worker up is a neighbor); plus the SVD refresh amortised over ``tau`` steps.
+* MeCeFO: an out worker's share (``parts`` micro-batches) is spread round-robin over the next ``spread`` workers
+  up in the ring (:mod:`trainguard.failover.mecefo.ring`, as the policy does; ``spread`` 1 = the paper's single
+  neighbor, ``auto`` = the smallest spread whose most loaded neighbor is measured no slower than a normal step);
+  each neighbor runs its own and the carried micro-batches degraded (own exact when every worker up is a
+  neighbor); plus the SVD refresh amortised over ``tau`` steps.
 * Bamboo: every worker computes its own share and a redundant copy of its predecessor's; an out worker's
   successor counts that copy and keeps a copy of its new predecessor's share.
 * Oobleck: the global batch rebalanced over the survivors; ``reconfig_s`` per failure and per rejoin.
@@ -36,6 +39,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from trainguard.errors import TrainguardError
+from trainguard.failover.mecefo.ring import assign, resolve
 from trainguard.faults.schedules import PRESETS_MTBF_HOURS, FailureSchedule
 from trainguard.utils.settings import setting
 
@@ -56,6 +60,9 @@ class StepCosts:
     svd_s: float = 0.0  # one refresh of every FFN weight's V1
     tau: int = 200
     degrade_own: bool = True
+    parts: int = 1  # micro-batches one share is computed in (an out worker's share splits over up to this many)
+    neighbor_extra: dict[int, float] = field(default_factory=dict)  # e -> own share + e of an out worker's parts, degraded
+    spread: int | str = 1  # MeCeFO's spread (ring.resolve): 1 = the paper's single neighbor
 
     @property
     def exact_unit(self) -> float:
@@ -68,10 +75,18 @@ class StepCosts:
 
     def step(self, exact: int, degraded: int) -> tuple[float, bool]:
         """A step computing ``exact`` shares exactly and ``degraded`` degraded: (seconds, measured?)."""
-        measured = {(1, 0): self.normal, (0, 2): self.neighbor, (2, 0): self.bamboo, (3, 0): self.bamboo_cover}
+        return self.step_parts(exact * self.parts, degraded * self.parts)
+
+    def step_parts(self, exact: int, degraded: int) -> tuple[float, bool]:
+        """A step computing ``exact`` micro-batches (``parts`` per share) exactly and ``degraded`` degraded:
+        (seconds, measured?); a load that was not measured is composed from the per-share costs."""
+        p = self.parts
+        measured = {(p, 0): self.normal, (0, 2 * p): self.neighbor, (2 * p, 0): self.bamboo,
+                    (3 * p, 0): self.bamboo_cover}
+        measured.update({(0, p + e): t for e, t in self.neighbor_extra.items()})
         if (exact, degraded) in measured:
             return measured[(exact, degraded)], True
-        return self.optimizer + exact * self.exact_unit + degraded * self.degraded_unit, False
+        return self.optimizer + (exact * self.exact_unit + degraded * self.degraded_unit) / p, False
 
     def rebalanced_step(self, sequences: int) -> tuple[float, bool]:
         if sequences in self.rebalanced:
@@ -142,15 +157,25 @@ class _StepModel:
         return up, load
 
     def _mecefo(self, out: frozenset[int]) -> float:
+        """The out workers' micro-batches spread as the policy spreads them (ring.assign); the slowest neighbor."""
         if not out:
             return self.c.normal
-        up, load = self._loads(out)
-        hosts = [r for r in up if load[r]]
-        own_degraded = self.c.degrade_own and len(hosts) < len(up)
+        up = [r for r in range(self.n) if r not in out]
+        p = self.c.parts
+        shares = dict.fromkeys(out, p)
+        placed = assign(shares, up, self.n, 1)
+        own_degraded = self.c.degrade_own and len(placed) < len(up)
+
+        def host_step(extra: int, degraded_own: bool) -> tuple[float, bool]:
+            return self.c.step_parts(0, p + extra) if degraded_own else self.c.step_parts(p, extra)
+
+        k = resolve(self.c.spread, shares, up, self.n, lambda e: host_step(e, own_degraded)[0] > self.c.normal + 1e-12)
+        placed = assign(shares, up, self.n, k)
+        own_degraded = self.c.degrade_own and len(placed) < len(up)
         worst = self.c.normal
-        for h in hosts:
-            t, ok = self.c.step(0, 1 + load[h]) if own_degraded else self.c.step(1, load[h])
-            self._note(f"mecefo neighbor carrying {load[h]}", ok)
+        for items in placed.values():
+            t, ok = host_step(len(items), own_degraded)
+            self._note(f"mecefo neighbor carrying {len(items)}/{p} of a share" + ("" if own_degraded else ", own exact"), ok)
             worst = max(worst, t)
         return worst + self.c.svd_s / self.c.tau
 

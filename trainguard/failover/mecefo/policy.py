@@ -7,14 +7,17 @@ Every policy plans the same global batch: ``replicas * grad_accum`` slices, slic
 when it left the torchft quorum (killed) or is under a simulated failure (``down(step)``, from a
 :class:`~trainguard.failover.mecefo.timeline.FailureTimeline`: it stays in the quorum and computes nothing).
 
-* :class:`MeCeFOPolicy`: an out worker's slices go to its **neighbor** in the data-parallel ring (the next
-  worker that is up). A neighbor computes them, and its own (``degrade_own``, as in the paper), tagged
-  ``{"neighbor"}``: the MeCeFO component runs those degraded. The attention parameters' gradient
+* :class:`MeCeFOPolicy`: an out worker's slices go to its **neighbors** in the data-parallel ring: round-robin
+  over the next ``spread`` workers that are up (:mod:`trainguard.failover.mecefo.ring`; ``spread=1`` is the
+  paper's single neighbor, ``"auto"`` the fewest neighbors whose step is estimated no slower than a normal one,
+  keeping one worker up that is nobody's neighbor). A neighbor computes them, and its own (``degrade_own``, as
+  in the paper), tagged ``{"neighbor"}``: the MeCeFO component runs those degraded. The attention parameters' gradient
   (``param_groups``: ``"mha"``) is weighted ``1 / (exact slices)`` on the slices computed exactly and 0 on the
   degraded ones, so it is the mean over exactly the slices that computed it (the paper's groups that are
   neither failed nor neighbors); the other parameters keep ``1 / n``. If every worker that is up is a
   neighbor, the neighbors compute their own slices exactly (someone must). A worker killed mid-step: its
-  counted slices go to its neighbor in the same step (degraded), the attention weights are recounted.
+  counted slices go to its neighbors in the same step (degraded, spread the same way; exact if otherwise no
+  counted slice would be exact), the attention weights are recounted.
 * :class:`BambooPolicy`: every worker also computes its ring predecessor's counted slices and keeps them apart
   (``keep=True``, tag ``redundant``). An out worker's slices are computed (and counted) by its successor, which
   then keeps a redundant copy of its new predecessor's work. A worker killed mid-step: its successor's kept
@@ -39,23 +42,13 @@ import torch
 
 from trainguard.errors import TrainguardError
 from trainguard.failover.mecefo.approx import MHA_GROUP, NEIGHBOR, MeCeFOConfig, mha_parameter_names
+from trainguard.failover.mecefo.ring import assign, resolve, ring_after, ring_next, ring_prev
 from trainguard.failover.mecefo.timeline import FailureTimeline
 from trainguard.train.parallel.base import MicroBatch
 from trainguard.train.parallel.elastic import GradSyncPolicy, Recovery, StepView, SyncPlan
 
 DEGRADED = frozenset({NEIGHBOR})
 REDUNDANT = frozenset({"redundant"})
-
-
-def ring_next(dead: int, workers: list[int] | frozenset[int], replicas: int) -> int:
-    """The first worker after ``dead`` in the data-parallel ring ``0 .. replicas-1``."""
-    return min(workers, key=lambda r: ((r - dead) % replicas, r))
-
-
-def ring_prev(r: int, workers: list[int] | frozenset[int], replicas: int) -> int:
-    """The last worker before ``r`` in the ring (``r`` itself when it is alone)."""
-    others = [w for w in workers if w != r]
-    return max(others, key=lambda w: ((w - r) % replicas, w)) if others else r
 
 
 class _TimelinePolicy(GradSyncPolicy):
@@ -92,35 +85,55 @@ class MeCeFOPolicy(_TimelinePolicy):
     def param_groups(self, model: torch.nn.Module) -> dict[str, list[str]]:
         return {MHA_GROUP: mha_parameter_names(model)} if self.cfg.skip_mha else {}
 
+    def too_slow(self, own: int) -> Callable[[int], bool]:
+        """spread='auto': is a neighbor carrying ``extra`` micro-batches besides its ``own`` (all degraded, at
+        ``degraded_cost`` each) estimated slower than a normal worker's ``own`` exact ones?"""
+        return lambda extra: (own + extra) * self.cfg.degraded_cost > own + 1e-9
+
+    def spread(self, shares: dict[int, int], workers: list[int], view: StepView) -> int:
+        return resolve(self.cfg.spread, shares, workers, view.replicas, self.too_slow(view.grad_accum))
+
     def plan(self, view: StepView) -> SyncPlan:
         workers = self.workers(view)
         out = sorted(set(range(view.replicas)) - set(workers))
-        host = {d: ring_next(d, workers, view.replicas) for d in out}
-        hosts = set(host.values())
+        k_mb = view.grad_accum
+        shares = dict.fromkeys(out, k_mb)
+        k = self.spread(shares, workers, view)
+        placed = assign(shares, workers, view.replicas, k)  # host -> [(out worker, micro-batch)]
+        hosts = set(placed)
         # the neighbor-do-both of the paper: a neighbor's own slices run degraded too, unless nobody would be left
         # to compute the attention gradient
         degrade_own = self.cfg.degrade_own and bool(set(workers) - hosts)
         work = {r: self.own(r, view, DEGRADED if (r in hosts and degrade_own) else frozenset()) for r in workers}
-        for d in out:
-            work[host[d]] += self.own(d, view, DEGRADED)
-        plan = SyncPlan(work, info={"out": out, "hosts": {str(d): h for d, h in host.items()},
-                                    "neighbors": sorted(hosts)})
+        n = view.replicas * k_mb
+        for h, items in placed.items():
+            work[h] += [MicroBatch(d * k_mb + m, n, 1.0 / n, tags=DEGRADED) for d, m in items]
+        plan = SyncPlan(work, info={"out": out, "hosts": {str(d): ring_next(d, workers, view.replicas) for d in out},
+                                    "neighbors": sorted(hosts), "spread": k,
+                                    "spread_hosts": {str(d): ring_after(d, workers, view.replicas, min(k, k_mb))
+                                                     for d in out}})
         self._weigh_attention(plan.work, plan)
         return plan
 
     def on_failure(self, view: StepView, failed: frozenset[int], plan: SyncPlan) -> Recovery:
+        """A worker killed mid-step: its counted micro-batches (its own and any it carried) go round-robin to the
+        ``spread`` workers after it, degraded; computed exactly instead if otherwise no counted slice would be
+        exact (someone must compute the attention gradient)."""
         workers = self.workers(view)
+        lost = {f: [mb for mb in plan.work.get(f, []) if not mb.keep] for f in sorted(failed)}
+        lost = {f: mbs for f, mbs in lost.items() if mbs}
+        shares = {f: len(mbs) for f, mbs in lost.items()}
+        k = self.spread(shares, workers, view)
+        placed = assign(shares, workers, view.replicas, k)
+        staying = [mb for r in view.live if r not in failed for mb in plan.work.get(r, []) if not mb.keep]
+        exact_left = any(NEIGHBOR not in mb.tags for mb in staying)
+        tags = DEGRADED if (exact_left or not self.cfg.skip_mha) else frozenset()
         extra: dict[int, list[MicroBatch]] = {}
-        hosts = {}
-        for f in sorted(failed):
-            lost = [mb for mb in plan.work.get(f, []) if not mb.keep]
-            if not lost:
-                continue
-            h = ring_next(f, workers, view.replicas)
-            hosts[str(f)] = h
-            extra.setdefault(h, []).extend(replace(mb, tags=DEGRADED) for mb in lost)
+        for h, items in placed.items():
+            extra[h] = [replace(lost[f][m], tags=tags) for f, m in items]
         after = {r: [mb for mb in plan.work.get(r, []) if not mb.keep] + extra.get(r, []) for r in view.live}
-        rec = Recovery(extra=extra, info={"hosts": hosts, "degraded": sorted(
+        hosts = {str(f): ring_next(f, workers, view.replicas) for f in lost}
+        rec = Recovery(extra=extra, info={"hosts": hosts, "spread": k, "degraded": sorted(
             mb.index for mbs in after.values() for mb in mbs if NEIGHBOR in mb.tags)})
         weights = self._weigh_attention(after, None)
         if weights:

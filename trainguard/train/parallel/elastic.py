@@ -294,6 +294,12 @@ class ElasticStrategy(Strategy):
         trainer.load_state_dict(state)  # also this strategy's membership and policy state (a registered component)
         self._events.append({"event": "healed", "to_step": trainer.step_idx})
 
+    @property
+    def sync_plan(self) -> SyncPlan | None:
+        """The current step's plan as it stands (a recovery's extra micro-batches included): for techniques that
+        need to know what else this replica computes in the step."""
+        return self._sync
+
     def _start_copy(self) -> dict[str, Any]:
         return {"live": sorted(self._start["live"]), "policy": copy.deepcopy(self._start["policy"])}
 
