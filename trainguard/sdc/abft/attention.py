@@ -297,7 +297,7 @@ def _gradient_stats(gg: torch.Tensor, g2: torch.Tensor, a2: torch.Tensor, a_nonn
     ``B`` is a 2-D weight whose gradient sums over the batch), all fp32:
 
     * ``col_g`` = ``1^T g`` per slice (the input checksum of ``dA``) and ``exp_b`` = ``(A 1)^T g2`` (the
-      predicted checksum of ``dB``, before alpha), from one batched GEMV ``[1; A 1]^T g``; ``a_rows`` =
+      predicted checksum of ``dB``, before alpha, a batched GEMV); ``a_rows`` =
       ``(A 1)^T`` (``1^T`` of ``A^T``, the ``dB`` check's input checksum);
     * ``g_rn`` = ``sum_i ||g_i||`` per slice (``dA``'s Cauchy-Schwarz magnitude, with ``B``'s norms);
     * ``dB``'s magnitude: with ``a_nonneg`` (``A`` elementwise >= 0: attention probabilities) the exact
@@ -318,9 +318,9 @@ def _gradient_stats(gg: torch.Tensor, g2: torch.Tensor, a2: torch.Tensor, a_nonn
         gc, ac = g3[s0:s0 + per], a3[s0:s0 + per]
         gc = gc if gc.dtype == torch.float32 else gc.float()
         rs = ac.sum(-1, dtype=torch.float32).unsqueeze(-2)                          # (c, 1, m)
-        both = torch.bmm(torch.cat([torch.ones_like(rs), rs], -2), gc)               # (c, 2, n)
-        col_g.append(both[:, :1])
-        exp_b.append(both[:, 1:])
+        # (a column reduction and a one-row GEMV: cheaper than one two-row GEMV on CPU)
+        col_g.append(gc.sum(-2, keepdim=True))                                      # (c, 1, n)
+        exp_b.append(torch.bmm(rs, gc))                                              # (c, 1, n)
         rows.append(rs)
         sq = gc * gc
         g_rn.append(sq.sum(-1).sqrt_().sum(-1))                                     # (c,)
@@ -355,13 +355,13 @@ def _gradient_stats(gg: torch.Tensor, g2: torch.Tensor, a2: torch.Tensor, a_nonn
 def _b_side(col_g: torch.Tensor, bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The right operand's share of the ``dA = g bt`` check: the predicted checksum ``(1^T g) bt`` (before
     alpha) and ``bt``'s column norms (the Cauchy-Schwarz magnitude's other factor), fp32, from one pass over
-    ``bt`` in chunks of about :data:`STATS_CHUNK_BYTES` / 4 (the square of a chunk is reduced while it is in
+    ``bt`` in chunks of about :data:`STATS_CHUNK_BYTES` (the square of a chunk is reduced while it is in
     the cache: a weight's ``bt * bt`` would otherwise be written to memory and read back). ``bt`` is a 2-D
     weight (n, k), chunked along its rows, or batched like ``col_g`` (..., 1, n), chunked along the batch."""
     b32 = bt if bt.dtype == torch.float32 else None
     if bt.dim() == 2:
         n, k = bt.shape
-        step = max(1, (STATS_CHUNK_BYTES // 4) // max(1, k * 4))
+        step = max(1, STATS_CHUNK_BYTES // max(1, k * 4))
         exp = csq = None
         for r0 in range(0, n, step):
             bc = bt[r0:r0 + step] if b32 is not None else bt[r0:r0 + step].float()
@@ -372,7 +372,7 @@ def _b_side(col_g: torch.Tensor, bt: torch.Tensor) -> tuple[torch.Tensor, torch.
     batch = bt.shape[:-2]
     b3 = bt.reshape(-1, *bt.shape[-2:])
     c3 = col_g.expand(*batch, *col_g.shape[-2:]).reshape(-1, *col_g.shape[-2:])
-    step = max(1, (STATS_CHUNK_BYTES // 4) // max(1, b3.shape[-2] * b3.shape[-1] * 4))
+    step = max(1, STATS_CHUNK_BYTES // max(1, b3.shape[-2] * b3.shape[-1] * 4))
     exp, cn = [], []
     for s0 in range(0, b3.shape[0], step):
         bc = b3[s0:s0 + step] if b32 is not None else b3[s0:s0 + step].float()
