@@ -83,10 +83,12 @@ class _Spec:
     attention, ``group`` query heads per key/value head (the left operand is (B, H, T, k), the right one
     (B, H / group, ...))."""
 
-    __slots__ = ("alpha", "bt", "group", "layer", "parts", "rt")
+    __slots__ = ("a_nonneg", "alpha", "bt", "group", "layer", "parts", "rt")
 
-    def __init__(self, rt, layer: int, parts: tuple, bt: bool = False, alpha: float = 1.0, group: int = 1):
+    def __init__(self, rt, layer: int, parts: tuple, bt: bool = False, alpha: float = 1.0, group: int = 1,
+                 a_nonneg: bool = False):
         self.rt, self.layer, self.parts, self.bt, self.alpha, self.group = rt, layer, parts, bt, alpha, group
+        self.a_nonneg = a_nonneg
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -215,11 +217,10 @@ class ProtectedMatmul(torch.autograd.Function):
             a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
         else:
             a2, g2 = _grouped(a, grp), gg
-        # the two checks' GEMVs over the gradient in one pass: 1^T g (check of dA = g B^T) and
-        # (A 1)^T g (check of dB = A^T g, rows of A summed)
-        col_g = exp_b = a_rows = None
+        # the statistics of both checks in one pass over the gradient (and over A)
+        st = None
         if due and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
-            col_g, exp_b, a_rows = _gradient_gemv(gg, g2, a2)
+            st = _gradient_stats(gg, g2, a2, spec.a_nonneg)
         if ctx.needs_input_grad[0]:
             bt = b if spec.bt else b.transpose(-1, -2)
             ga_g = _bmm(gg, bt, alpha)
@@ -227,8 +228,12 @@ class ProtectedMatmul(torch.autograd.Function):
             for p in parts:
                 rt.fire(layer, BACKWARD_PRODUCTS[p[0]][0], ga)
             if due:
-                checks.append((cks.detect(ga_g, gg, bt, factor=fac, alpha=alpha, a_col=col_g, carried=False,
-                                          rerun=lambda: _bmm(gg, bt, alpha)),
+                kw = {}
+                if st is not None:
+                    exp_a, b_cn = _b_side(st.col_g, bt)
+                    kw = dict(a_col=st.col_g, a_rn=st.g_rn, b_cn=b_cn, expected=exp_a)
+                checks.append((cks.detect(ga_g, gg, bt, factor=fac, alpha=alpha, carried=False,
+                                          rerun=lambda: _bmm(gg, bt, alpha), **kw),
                                [(BACKWARD_PRODUCTS[due[0][0]][0], None, None)]))
         if ctx.needs_input_grad[1]:
             at = a2.transpose(-1, -2)
@@ -247,14 +252,17 @@ class ProtectedMatmul(torch.autograd.Function):
                 rt.fire(layer, BACKWARD_PRODUCTS[p][1], gb if plo is None else gview[..., plo:phi])
             if due:
                 lo, hi = due[0][1], due[-1][2]
-                a_col = a_rows
-                if lo is None or (lo == 0 and hi == gview.shape[-1]):
-                    chk = cks.detect(gview, at, g2, factor=fac, alpha=alpha, rerun=rerun_b, a_col=a_col,
-                                     carried=False, expected=exp_b)
+                whole = lo is None or (lo == 0 and hi == gview.shape[-1])
+
+                def cut(t):
+                    return t if t is None or whole or t.shape[-1] == 1 else t[..., lo:hi]
+                kw = {} if st is None else dict(a_col=st.a_rows, a_rn=st.a_rn, b_cn=cut(st.g_cn),
+                                                expected=cut(st.exp_b), mag=cut(st.mag_b))
+                if whole:
+                    chk = cks.detect(gview, at, g2, factor=fac, alpha=alpha, rerun=rerun_b, carried=False, **kw)
                 else:
                     chk = cks.detect(gview[..., lo:hi], at, g2[..., lo:hi], factor=fac, alpha=alpha,
-                                     rerun=lambda: rerun_b()[..., lo:hi], a_col=a_col, carried=False,
-                                     expected=None if exp_b is None else exp_b[..., lo:hi])
+                                     rerun=lambda: rerun_b()[..., lo:hi], carried=False, **kw)
                 checks.append((chk, [(BACKWARD_PRODUCTS[p][1], None if plo is None else plo - (lo or 0),
                                       None if plo is None else phi - (lo or 0)) for p, plo, phi, _ in due]))
             if gb.dim() > b.dim():
@@ -267,23 +275,110 @@ class ProtectedMatmul(torch.autograd.Function):
         return ga, gb, gbias, None
 
 
-def _gradient_gemv(gg: torch.Tensor, g2: torch.Tensor, a2: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """One pass over the output gradient for both backward checks of a node: ``1^T g`` per batch slice of
-    ``gg`` (..., m, n) (the input checksum of ``dA = g B^T``) and ``(A 1)^T g2`` (the predicted checksum of
-    ``dB = A^T g2``, before alpha), fp32. ``g2`` is ``gg`` itself, or its rows flattened over the batch (a
-    2-D weight's gradient sums over the batch): then the per-slice sums are rows of the same GEMV. Also
-    returns ``(A 1)^T`` (``1^T`` of ``A^T``, the second check's input checksum)."""
-    g32 = g2 if g2.dtype == torch.float32 else g2.float()
-    row_sums = a2.sum(-1, dtype=torch.float32).unsqueeze(-2)          # (..., 1, rows of g2)
-    if g2.dim() == gg.dim():
-        both = torch.matmul(torch.cat([torch.ones_like(row_sums), row_sums], -2), g32)
-        return both[..., :1, :], both[..., 1:, :], row_sums
-    nb, m = math.prod(gg.shape[:-2]), gg.shape[-2]
-    sel = torch.zeros(nb + 1, nb * m, dtype=torch.float32, device=g2.device)
-    sel[:nb].view(nb, nb, m)[torch.arange(nb), torch.arange(nb)] = 1.0   # block rows: one per batch slice
-    sel[nb] = row_sums[0]
-    both = torch.matmul(sel, g32)
-    return both[:nb].view(*gg.shape[:-2], 1, gg.shape[-1]), both[nb:], row_sums
+#: bytes of the output gradient the backward checks' statistics take per chunk: each chunk's square is still in
+#: the cache when its two reductions read it (one pass over the gradient from memory instead of three)
+STATS_CHUNK_BYTES = 4 << 20
+
+
+class _GradStats:
+    """What both backward checks of a node need from one pass over the output gradient ``g`` and the left
+    operand ``A`` (see :func:`_gradient_stats`)."""
+
+    __slots__ = ("a_rn", "a_rows", "col_g", "exp_b", "g_cn", "g_rn", "mag_b")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k))
+
+
+def _gradient_stats(gg: torch.Tensor, g2: torch.Tensor, a2: torch.Tensor, a_nonneg: bool) -> _GradStats:
+    """The two backward checks' inputs of a node, ``dA = g B^T`` (checked per batch slice of ``gg``
+    (..., m, n)) and ``dB = A^T g2`` (``g2`` is ``gg`` itself, or its rows flattened over the batch when
+    ``B`` is a 2-D weight whose gradient sums over the batch), all fp32:
+
+    * ``col_g`` = ``1^T g`` per slice (the input checksum of ``dA``) and ``exp_b`` = ``(A 1)^T g2`` (the
+      predicted checksum of ``dB``, before alpha, a batched GEMV); ``a_rows`` =
+      ``(A 1)^T`` (``1^T`` of ``A^T``, the ``dB`` check's input checksum);
+    * ``g_rn`` = ``sum_i ||g_i||`` per slice (``dA``'s Cauchy-Schwarz magnitude, with ``B``'s norms);
+    * ``dB``'s magnitude: with ``a_nonneg`` (``A`` elementwise >= 0: attention probabilities) the exact
+      ``mag_b`` = ``(|A| 1)^T |g2|`` = ``(A 1)^T |g2|`` (a second GEMV); otherwise the Cauchy-Schwarz
+      factors ``a_rn`` = ``sum_l ||A_:l||`` and ``g_cn`` = ``||g2_:j||``.
+
+    The slices are taken in chunks of about :data:`STATS_CHUNK_BYTES`, so that ``g * g`` is reduced both
+    ways while it is in the cache.
+    """
+    flat = g2.dim() != gg.dim()
+    m, n = gg.shape[-2], gg.shape[-1]
+    g3 = gg.reshape(-1, m, n)
+    a3 = a2.reshape(-1, m, a2.shape[-1])
+    slices = g3.shape[0]
+    per = max(1, STATS_CHUNK_BYTES // max(1, m * n * 4))
+    col_g, exp_b, rows, g_rn, g_csq, a_csq, mag_b = [], [], [], [], [], [], []
+    for s0 in range(0, slices, per):
+        gc, ac = g3[s0:s0 + per], a3[s0:s0 + per]
+        gc = gc if gc.dtype == torch.float32 else gc.float()
+        rs = ac.sum(-1, dtype=torch.float32).unsqueeze(-2)                          # (c, 1, m)
+        # (a column reduction and a one-row GEMV: cheaper than one two-row GEMV on CPU)
+        col_g.append(gc.sum(-2, keepdim=True))                                      # (c, 1, n)
+        exp_b.append(torch.bmm(rs, gc))                                              # (c, 1, n)
+        rows.append(rs)
+        sq = gc * gc
+        g_rn.append(sq.sum(-1).sqrt_().sum(-1))                                     # (c,)
+        if a_nonneg:
+            mag_b.append(torch.bmm(rs, gc.abs()))                                    # (c, 1, n)
+        else:
+            g_csq.append(sq.sum(-2))                                                 # (c, n)
+            a32 = ac if ac.dtype == torch.float32 else ac.float()
+            a_csq.append((a32 * a32).sum(-2))                                        # (c, k)
+    batch = gg.shape[:-2]
+    st = _GradStats(col_g=torch.cat(col_g).view(*batch, 1, n),
+                    g_rn=torch.cat(g_rn).view(*batch, 1, 1))
+    if flat:  # dB = A^T g2 sums over every slice: one checksum row, one set of norms
+        st.exp_b = torch.cat(exp_b).sum(0)                                          # (1, n)
+        st.a_rows = torch.cat(rows).view(1, -1)
+        if a_nonneg:
+            st.mag_b = torch.cat(mag_b).sum(0)
+        else:
+            st.g_cn = torch.cat(g_csq).sum(0).sqrt_().unsqueeze(0)
+            st.a_rn = torch.cat(a_csq).sum(0).sqrt_().sum().view(1, 1)
+    else:
+        st.exp_b = torch.cat(exp_b).view(*batch, 1, n)
+        st.a_rows = torch.cat(rows).view(*batch, 1, m)
+        if a_nonneg:
+            st.mag_b = torch.cat(mag_b).view(*batch, 1, n)
+        else:
+            st.g_cn = torch.cat(g_csq).sqrt_().view(*batch, 1, n)
+            st.a_rn = torch.cat(a_csq).sqrt_().sum(-1).view(*batch, 1, 1)
+    return st
+
+
+def _b_side(col_g: torch.Tensor, bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The right operand's share of the ``dA = g bt`` check: the predicted checksum ``(1^T g) bt`` (before
+    alpha) and ``bt``'s column norms (the Cauchy-Schwarz magnitude's other factor), fp32, from one pass over
+    ``bt`` in chunks of about :data:`STATS_CHUNK_BYTES` (the square of a chunk is reduced while it is in
+    the cache: a weight's ``bt * bt`` would otherwise be written to memory and read back). ``bt`` is a 2-D
+    weight (n, k), chunked along its rows, or batched like ``col_g`` (..., 1, n), chunked along the batch."""
+    b32 = bt if bt.dtype == torch.float32 else None
+    if bt.dim() == 2:
+        n, k = bt.shape
+        step = max(1, STATS_CHUNK_BYTES // max(1, k * 4))
+        exp = csq = None
+        for r0 in range(0, n, step):
+            bc = bt[r0:r0 + step] if b32 is not None else bt[r0:r0 + step].float()
+            e = torch.matmul(col_g[..., r0:r0 + step], bc)
+            q = cks.norms(bc, -2).square_() if bc.stride(-2) == 1 else (bc * bc).sum(-2)
+            exp, csq = (e, q) if exp is None else (exp.add_(e), csq.add_(q))
+        return exp, csq.sqrt_().unsqueeze(0)
+    batch = bt.shape[:-2]
+    b3 = bt.reshape(-1, *bt.shape[-2:])
+    c3 = col_g.expand(*batch, *col_g.shape[-2:]).reshape(-1, *col_g.shape[-2:])
+    step = max(1, STATS_CHUNK_BYTES // max(1, b3.shape[-2] * b3.shape[-1] * 4))
+    exp, cn = [], []
+    for s0 in range(0, b3.shape[0], step):
+        bc = b3[s0:s0 + step] if b32 is not None else b3[s0:s0 + step].float()
+        exp.append(torch.bmm(c3[s0:s0 + step], bc))
+        cn.append(cks.col_norms(bc))
+    return torch.cat(exp).view(*batch, 1, -1), torch.cat(cn).view(*batch, 1, -1)
 
 
 class _ScaledSoftmax(torch.autograd.Function):
@@ -526,7 +621,9 @@ def _core(rt, layer: int, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, 
     probs_d = F.dropout(probs, p=dropout_p, training=True) if dropout_p > 0.0 else probs
 
     # ---- section CL: AP V;  section O: CL W^O  (one host sync for both)
-    ctx_spec = _Spec(rt, layer, (("context", None, None, bwd and due_cl),), group=grp)
+    # (the probabilities are >= 0, also after dropout: the weight-gradient check dV = AP^T dCL gets the exact
+    # magnitude (AP 1)^T |dCL| from the probabilities' row sums it needs anyway)
+    ctx_spec = _Spec(rt, layer, (("context", None, None, bwd and due_cl),), group=grp, a_nonneg=True)
 
     def context_check(ctx, vh, probs_d):
         # row sums of CL = AP (V 1): columns of CL^T = V^T AP^T; AP >= 0 (also after dropout), so the

@@ -244,7 +244,7 @@ def detect(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
            b_cn: torch.Tensor | None = None, b_nonneg: bool = False, factor: float = 2.0,
            alpha: float = 1.0, rerun: Callable[[], torch.Tensor] | None = None,
            extra_rows: torch.Tensor | None = None, carried: bool | None = None,
-           expected: torch.Tensor | None = None) -> GemmCheck:
+           expected: torch.Tensor | None = None, mag: torch.Tensor | None = None) -> GemmCheck:
     """Fast-path detection for ``c = alpha * a @ b + bias`` (see the module docstring for the bound; a GEMM's
     ``alpha`` scales the product, its checksum and its roundoff alike).
 
@@ -257,14 +257,16 @@ def detect(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
     ``rerun``: see :class:`GemmCheck`. A given ``a_col`` is a carried checksum (the slow path compares it
     with ``A`` as it is then) unless ``carried=False`` (it was just computed from ``A``). ``expected``
     (..., 1, n): ``a_col @ B`` already computed (e.g. in one GEMV with other rows over the same B).
+    ``mag`` (..., 1, n): a magnitude bound ``M`` already computed (before ``alpha``), e.g. the exact
+    ``(1^T |A|) |B|`` when ``A`` is non-negative (then ``a_rn`` / ``b_cn`` are not needed).
     """
     m, k = a.shape[-2], a.shape[-1]
     carried = a_col if carried is None or carried else None
     if a_col is None:
         a_col = colsum(a)
-    b32 = b if b.dtype == torch.float32 else b.float()
     extra = None
     if b_nonneg:
+        b32 = b if b.dtype == torch.float32 else b.float()
         rows = [a_col, abs_colsum(a)]
         if extra_rows is not None:
             rows.append(extra_rows.expand(*a_col.shape[:-2], *extra_rows.shape[-2:]))
@@ -273,12 +275,14 @@ def detect(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor
         if extra_rows is not None:
             extra = both[..., 2:, :]
     else:
-        if a_rn is None:
-            a_rn = row_norm_sum(a)
-        if b_cn is None:
-            b_cn = col_norms(b)
-        expected = torch.matmul(a_col, b32) if expected is None else expected
-        mag = a_rn * b_cn
+        if mag is None:
+            if a_rn is None:
+                a_rn = row_norm_sum(a)
+            if b_cn is None:
+                b_cn = col_norms(b)
+            mag = a_rn * b_cn
+        if expected is None:
+            expected = torch.matmul(a_col, b if b.dtype == torch.float32 else b.float())
     if alpha != 1.0:
         expected, mag = expected * alpha, mag * abs(alpha)
     if bias is not None:
