@@ -325,6 +325,8 @@ class DMREngine:
         self._later_fifo: list[_Later | tuple] = []
         self._later_by_storage: dict[int, list[_Later]] = {}
         self.later_bytes = 0
+        # inputs queued checks keep by reference, by storage: copied before a collective is handed them
+        self._kept_by_storage: dict[int, list[tuple]] = {}
         if self.dynamic.queue:
             self.dynamic.queue.clear()
         self.dynamic.reset()
@@ -426,7 +428,7 @@ class DMREngine:
             return func(*args, **kwargs)
         # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
         # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
-        if self._later_by_storage:
+        if self._later_by_storage or self._kept_by_storage:
             inf = dops.info(func)
             if inf.written or inf.kind == "comm":
                 self._settle_written(func, args, kwargs, every=inf.kind == "comm")
@@ -731,6 +733,21 @@ class DMREngine:
             waiting = self._later_by_storage.pop(_storage_key(t), None)
             for lz in waiting or ():
                 self._resolve(lz)
+            if every:
+                self._copy_kept(t)
+
+    def _copy_kept(self, t: torch.Tensor) -> None:
+        """Queued checks that keep ``t``'s storage by reference get their own copy of it."""
+        for held, ref in self._kept_by_storage.pop(_storage_key(t), ()):
+            kept = ref()
+            if kept is None or held["args"] is None:  # (already checked)
+                continue
+            copy = kept.clone()
+            held["args"] = tree_map(lambda v, kept=kept, copy=copy: copy if v is kept else v, held["args"])
+            for i, v in enumerate(held["ins"]):
+                if v is kept:
+                    held["ins"][i], held["versions"][i] = copy, copy._version
+            self.counts["kept-input-copied"] += 1
 
     def _settle(self, more: Callable[[], bool] = lambda: True) -> None:
         """Take the fingerprints still to be taken and run the P-DMR comparisons waiting for them, in order,
@@ -782,9 +799,10 @@ class DMREngine:
         params = bound[lists[0]]
         if self._can_hold(func, bound, lists, sliced):
             return self._held_optimizer(op_id, func, bound, lists)
-        for n in lists:  # updated here, not through the held path: copies of these tensors are stale from now on
-            for t in bound[n]:
-                self._pre.pop(id(t), None)
+        if dops.info(func).name in _FUSED_OPTIMIZERS:  # updated here, not held: copies of its state are stale now
+            for n in lists:
+                for t in bound[n]:
+                    self._pre.pop(id(t), None)
         # a multiple of 1024 elements: every piece starts on a vector boundary, so the kernel's vectorised loop
         # and scalar tail handle the same elements as in one call (an FMA and a mul+add round differently)
         chunk = max(1024, int(self.cfg.optimizer_chunk_mb * 2**20 / 4) // 1024 * 1024)
@@ -952,10 +970,11 @@ class DMREngine:
         # the check reports instead of passing. Inputs from outside the attempt (a pipeline receive buffer,
         # which the next micro-batch overwrites without a version bump) are cloned; parameters are neither
         # (only the optimizer changes them, after every check has run).
-        keep = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and not self._is_param(t)
+        kept = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and not self._is_param(t)
                         and not self._produced_here(t) else t, (args, kwargs))
-        ins = dops.tensors(keep)
+        ins = dops.tensors(kept)
         versions = [t._version for t in ins]
+        held = {"args": kept, "ins": ins, "versions": versions}
         nbytes = sum(t.numel() * t.element_size() for t in ins if not self._is_param(t))
         if strategy != "dynamic" and self.budget_bytes and self.queued_bytes + nbytes > self.budget_bytes:
             self.counts["naive-fallback"] += 1
@@ -963,10 +982,21 @@ class DMREngine:
         t0 = time.perf_counter()
         out = _primary(func, args, kwargs)
         est = time.perf_counter() - t0
-        def run(keep=keep, ins=ins, versions=versions):
-            if any(t._version != v for t, v in zip(ins, versions)):
-                raise _Stale
-            return func(*keep[0], **keep[1])
+        def run(held=held):
+            try:
+                if any(t._version != v for t, v in zip(held["ins"], held["versions"])):
+                    raise _Stale
+                return func(*held["args"][0], **held["args"][1])
+            finally:
+                held["args"], held["ins"], held["versions"] = None, [], []  # checked: the inputs are released
+
+        # An input kept by reference may later be handed to a collective that writes it outside the dispatcher
+        # (a receive reusing the buffer): it is copied first (see _settle_written), so the check reads the value
+        # the primary read, never a buffer being written by a transfer while the worker runs.
+        if self.deferrable:
+            for t in ins:
+                if not self._is_param(t):
+                    self._kept_by_storage.setdefault(_storage_key(t), []).append((held, weakref.ref(t)))
 
         # the output's fingerprint, or (``fingerprints = false``) a copy of it, counted against the budget
         expect = self._fp_later(out) if self.cfg.fingerprints else tree_map(
