@@ -51,7 +51,7 @@ import os
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -322,7 +322,7 @@ class DMREngine:
         if self.queue:
             self.queue, self.queued_bytes = [], 0
         # fingerprints taken later (:class:`_Later`) and P-DMR comparisons waiting for them, in order
-        self._later_fifo: list[_Later | tuple] = []
+        self._later_fifo: deque[_Later | tuple] = deque()
         self._later_by_storage: dict[int, list[_Later]] = {}
         self.later_bytes = 0
         # inputs queued checks keep by reference, by storage: copied before a collective is handed them
@@ -753,7 +753,7 @@ class DMREngine:
         """Take the fingerprints still to be taken and run the P-DMR comparisons waiting for them, in order,
         while ``more()`` (a window still open) says so."""
         while self._later_fifo and more():
-            item = self._later_fifo.pop(0)
+            item = self._later_fifo.popleft()
             if isinstance(item, _Later):
                 self._resolve(item)
                 continue
@@ -797,7 +797,7 @@ class DMREngine:
         sliced = [n for n in lists if all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.is_contiguous()
                                           and t.numel() == bound[lists[0]][i].numel() for i, t in enumerate(bound[n]))]
         params = bound[lists[0]]
-        if self._can_hold(func, bound, lists, sliced):
+        if self._can_hold(func, bound, lists):
             return self._held_optimizer(op_id, func, bound, lists)
         if dops.info(func).name in _FUSED_OPTIMIZERS:  # updated here, not held: copies of its state are stale now
             for n in lists:
@@ -840,7 +840,7 @@ class DMREngine:
     # copy decides; a wrong primary is written back before the next iteration's verdict, which is then a
     # retry (that iteration's forward read the wrong parameters). Before anything reads the state from
     # outside (a checkpoint, an evaluation, the end of the run) the held check is settled (:meth:`settle`).
-    def _can_hold(self, func, bound, lists, sliced) -> bool:
+    def _can_hold(self, func, bound, lists) -> bool:
         if not (self.deferrable and self.cfg.system == "sparetrain" and self.cfg.hold_update
                 and self.cfg.fingerprints and self.cfg.compare == "bitwise" and self.calibration is None):
             return False
