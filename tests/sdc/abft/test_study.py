@@ -107,3 +107,24 @@ def test_study_cli_refuses_a_dtype_in_one_line(capsys):
         main(["study", "attention", "--dtype", "fp16"])
     err = capsys.readouterr().err.strip()
     assert done.value.code == 2 and len(err.splitlines()) == 1 and "--dtype" in err
+
+
+def test_a_model_pretrained_on_the_corpus_reproduces_table2_near_inf_rows():
+    # after a few hundred AdamW steps on the default corpus, attention scores exceed 1 in many places (at
+    # random init they stay far below): a near-INF struck into AS is then sometimes INF itself, and the softmax
+    # row turns NaN downstream (Table 2's near-INF row for AS, which a randomly initialised model never shows)
+    fresh = run_study("gpt2", trials=6, faults=("near-inf",), progress=False, seq_len=32, products=("scores",),
+                      steps_after=0)
+    trained = run_study("gpt2", trials=6, faults=("near-inf",), progress=False, seq_len=32, products=("scores",),
+                        steps_after=0, pretrain_steps=300)
+    assert fresh.pretrain_steps == 0 and trained.pretrain_steps == 300
+    assert fresh.table["near-inf"]["AS"]["AP"] == "-" and fresh.injected_nonfinite["near-inf"]["AS"] == 0.0
+    row = trained.table["near-inf"]["AS"]
+    assert trained.injected_nonfinite["near-inf"]["AS"] > 0
+    assert all(row[o].startswith("1R") and "NaN" in row[o] for o in ("AP", "CL", "O"))
+    assert trained.to_dict()["pretrain_steps"] == 300
+
+
+def test_study_refuses_negative_pretraining():
+    with pytest.raises(ConfigError, match="--pretrain-steps"):
+        run_study("gpt2", trials=1, pretrain_steps=-1, progress=False)

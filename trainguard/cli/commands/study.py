@@ -27,6 +27,9 @@ def register(subparsers) -> None:
     a.add_argument("--trials", type=int, default=10, help="injections per (fault, product)")
     a.add_argument("--steps-after", type=int, default=3,
                    help="fault-free AdamW steps after the faulty one before judging trainability (default 3)")
+    a.add_argument("--pretrain-steps", type=int, default=0,
+                   help="AdamW steps on the default corpus before the study, so faults strike a trained model "
+                        "(default 0: the randomly initialised one)")
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--seq-len", type=int, default=32)
     a.add_argument("--batch", type=int, default=2)
@@ -38,9 +41,10 @@ def run(args) -> int:
     from trainguard.sdc.abft.study import OBSERVED, run_study
 
     r = run_study(args.model, args.trials, args.seed, args.seq_len, args.batch, size=args.size,
-                  steps_after=args.steps_after, dtype=args.dtype)
+                  steps_after=args.steps_after, dtype=args.dtype, pretrain_steps=args.pretrain_steps)
     out = err_console if args.json else console
-    out.print(f"{r.model} ({r.size}, {r.dtype}), {r.trials} trials per cell, {r.steps_after} AdamW steps after")
+    trained = f", after {r.pretrain_steps} pre-training steps" if r.pretrain_steps else ", randomly initialised"
+    out.print(f"{r.model} ({r.size}, {r.dtype}{trained}), {r.trials} trials per cell, {r.steps_after} AdamW steps after")
     for fault, rows in r.table.items():
         out.print(table(f"{fault.upper()} injected into (rows) -> pattern observed in (columns); "
                         f"P(non-trainable) measured / paper",

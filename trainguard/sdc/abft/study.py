@@ -24,8 +24,10 @@ overflows does not depend on the format but on magnitudes: the struck element it
 when 1 <= |x| < 2 (the exponent field becomes all ones), and a near-INF q_il makes AS_ij INF only where
 |q_il k_jl alpha| >~ 1. Only an INF / NaN in a row of AS makes the softmax row NaN (INF - INF); a finite
 near-INF row gives a one-hot row, and nothing downstream is abnormal. Randomly initialised narrow models
-have |q|, |k|, |AS| well below 1 (hidden 64: |q| < 0.8), so no near-INF injection there reaches AP; wider
-ones (``size="small"``: hidden 768, |q| up to ~2.5 at the same init) and trained ones do, in some trials.
+have |q|, |k|, |AS| well below 1 (hidden 64: |q| < 0.8), so no near-INF injection there reaches AP. Trained
+ones do, in some trials: ``pretrain_steps`` trains the model on the default corpus before the study (300
+AdamW steps take a tiny model to |AS| >= 1 in half the scores), standing in for the paper's pretrained
+checkpoints, which cannot be downloaded here.
 ``StudyResult.injected_nonfinite`` is the share of trials in which the injected value was INF / NaN.
 ``dtype``: ``fp32`` or ``bf16`` (autocast, as the campaign and ``train.dtype``); the faults strike the
 products in the dtype they are computed in.
@@ -92,6 +94,7 @@ class StudyResult:
     steps_after: int = 0
     size: str = "tiny"
     dtype: str = "fp32"
+    pretrain_steps: int = 0
     table: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)  # fault -> product -> observed -> pattern
     non_trainable: dict[str, dict[str, float]] = field(default_factory=dict)  # fault -> product -> probability
     paper_non_trainable: dict[str, dict[str, float | None]] = field(default_factory=dict)
@@ -103,7 +106,8 @@ class StudyResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "size": self.size, "dtype": self.dtype, "trials": self.trials,
-                "steps_after": self.steps_after, "table": self.table,
+                "steps_after": self.steps_after,
+                "pretrain_steps": self.pretrain_steps, "table": self.table,
                 "non_trainable": self.non_trainable, "paper_non_trainable": self.paper_non_trainable,
                 "table2_agreement": self.table2_agreement, "table2_mismatches": self.table2_mismatches,
                 "injected_nonfinite": self.injected_nonfinite}
@@ -135,9 +139,12 @@ def _paper_phi(model_name: str) -> dict[str, dict[str, float | None]]:
 def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, seq_len: int = 32, batch: int = 2,
               faults: tuple[str, ...] = ("inf", "nan", "near-inf"), progress: bool = True, size: str = "tiny",
               products: tuple[str, ...] = PRODUCTS, steps_after: int = 3, lr: float = 1e-3,
-              dtype: str = "fp32") -> StudyResult:
+              dtype: str = "fp32", pretrain_steps: int = 0, pretrain_lr: float = 3e-3) -> StudyResult:
     """``size``: HF model shape (``tiny``: hidden 64; ``small`` / ``base``: GPT-2-small / BERT-base widths);
-    LLaMA presets take theirs from their name. ``dtype``: ``fp32`` or ``bf16`` autocast (CPU)."""
+    LLaMA presets take theirs from their name. ``dtype``: ``fp32`` or ``bf16`` autocast (CPU).
+    ``pretrain_steps``: AdamW steps (``pretrain_lr``, batch 8 x ``seq_len``) on the default corpus before the
+    study, so the injections strike a trained model (the paper's are fine-tuned from pretrained checkpoints),
+    and the study's own batches are then corpus text too; 0: the randomly initialised model on random tokens."""
     from trainguard.sdc.abft import ABFTConfig, protect
     from trainguard.sdc.abft.campaign import autocast, build, max_positions, vocab_size
 
@@ -148,6 +155,8 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
         raise ConfigError(f"--trials must be >= 1, got {trials}")
     if steps_after < 0:
         raise ConfigError(f"--steps-after must be >= 0, got {steps_after}")
+    if pretrain_steps < 0:
+        raise ConfigError(f"--pretrain-steps must be >= 0, got {pretrain_steps}")
     bad = [p for p in products if p not in PRODUCTS]
     if bad:
         raise ConfigError(f"unknown product(s) {bad} (choose from {', '.join(PRODUCTS)})")
@@ -158,13 +167,19 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
         raise ConfigError(f"--seq-len {seq_len} exceeds what {model_name} supports ({max_positions(model) - 2})")
     model.train()
     heads, kv_heads = _heads(model)
-    handle = protect(model, ABFTConfig(check=False))
     g = torch.Generator().manual_seed(seed)
     vocab = min(256, vocab_size(model))
-    xs = [torch.randint(3, vocab, (batch, seq_len), generator=g) for _ in range(steps_after + 1)]
+    if pretrain_steps:
+        text = _corpus_batches(vocab, seq_len, g)
+        _pretrain(model, run, pretrain_steps, pretrain_lr, text, dtype, progress)
+        xs = [text(batch) for _ in range(steps_after + 1)]
+    else:
+        xs = [torch.randint(3, vocab, (batch, seq_len), generator=g) for _ in range(steps_after + 1)]
+    handle = protect(model, ABFTConfig(check=False))
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
     n_layers = handle.n_layers
-    result = StudyResult(model_name, trials, steps_after, size, dtype, paper_non_trainable=_paper_phi(model_name))
+    result = StudyResult(model_name, trials, steps_after, size, dtype, paper_non_trainable=_paper_phi(model_name),
+                         pretrain_steps=pretrain_steps)
     from trainguard.utils import TaskBar
 
     bar = TaskBar(progress, f"study attention {model_name}", len(faults) * len(products) * trials)
@@ -236,6 +251,37 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
         unprotect(model)
     _compare_table2(result)
     return result
+
+
+def _corpus_batches(vocab: int, seq_len: int, g: torch.Generator):
+    """Batches of byte-tokenized text from the default corpus (the Python standard library's sources)."""
+    from trainguard.data.corpus import load_corpus
+
+    stream = load_corpus(max_bytes=4_000_000).train.long() % vocab
+
+    def sample(batch: int) -> torch.Tensor:
+        start = torch.randint(0, len(stream) - seq_len, (batch,), generator=g).tolist()
+        return torch.stack([stream[i: i + seq_len] for i in start])
+
+    return sample
+
+
+def _pretrain(model, run, steps: int, lr: float, text, dtype: str, progress: bool) -> None:
+    from trainguard.sdc.abft.campaign import autocast
+    from trainguard.utils import TaskBar
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    bar = TaskBar(progress, "pre-training on the default corpus", steps)
+    try:
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            with autocast(dtype, "cpu"):
+                loss, _ = run(model, text(8))
+            loss.backward()
+            opt.step()
+            bar.advance(f"loss {float(loss.detach()):.2f}")
+    finally:
+        bar.stop()
 
 
 def _compare_table2(result: StudyResult) -> None:
