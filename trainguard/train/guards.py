@@ -57,14 +57,15 @@ class Verdict:
     reason: str = ""
     guard: str = ""  # filled in by the trainer
     rank: int = 0  # filled in by the trainer
+    rewind: bool = False  # retry from the start of the previous (committed) step: see StepGuard.on_rewind
 
     @classmethod
     def commit(cls) -> Verdict:
         return _COMMIT
 
     @classmethod
-    def retry(cls, site: str, reason: str = "") -> Verdict:
-        return cls(Action.RETRY, site, reason)
+    def retry(cls, site: str, reason: str = "", rewind: bool = False) -> Verdict:
+        return cls(Action.RETRY, site, reason, rewind=rewind)
 
     @classmethod
     def abort(cls, site: str, reason: str = "") -> Verdict:
@@ -79,8 +80,11 @@ class Verdict:
         return f"rank {self.rank}, {self.guard or 'guard'} at {self.site or '?'}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"action": self.action.name.lower(), "site": self.site, "reason": self.reason, "guard": self.guard,
-                "rank": self.rank}
+        out = {"action": self.action.name.lower(), "site": self.site, "reason": self.reason, "guard": self.guard,
+               "rank": self.rank}
+        if self.rewind:
+            out["rewind"] = True
+        return out
 
 
 _COMMIT = Verdict()
@@ -126,6 +130,13 @@ class StepGuard:
 
     def on_retry(self, ctx: StepContext, verdict: Verdict) -> None:
         """Called on every rank after the step's state was restored, before the re-execution."""
+
+    def on_rewind(self, ctx: StepContext, step: int) -> None:
+        """A retry verdict with ``rewind`` (a check of step ``step``, the previous one, ran after its update and
+        failed): put parameters and the optimizer's tensor state back to the start of ``step`` (the trainer keeps
+        no copy of them; a guard that asks for a rewind must). The trainer restores the rest (RNG, data position,
+        scheduler, the optimizer's hyper-parameters and scalar counters, registered components) and re-executes
+        ``step``, then the current one."""
 
     def on_commit(self, ctx: StepContext) -> None:
         """Called once the step is committed."""

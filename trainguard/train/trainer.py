@@ -172,6 +172,11 @@ class Trainer:
         self.resume_changes: dict[str, list[Any]] = {}  # key -> [saved, new] of the resumed checkpoint's config
         self.run_id = uuid.uuid4().hex[:12]  # written into every checkpoint; a resumed run takes the checkpoint's
         self.preempt_requested = False  # set by SIGTERM during run(): checkpoint at the next step boundary and stop
+        # the last committed step's start (step, RNG/data/components, scheduler and optimizer scalars): what a
+        # rewind verdict goes back to (a guard's check of that step ran after its update and failed)
+        self._prev: tuple[int, StepStart, dict[str, Any]] | None = None
+        self._redoing = False
+        self._run_end: int | None = None  # the step run() stops at (None outside run())
         if cfg.checkpoint.resume and not cfg.checkpoint.dir:
             raise ConfigError("checkpoint.resume is true but checkpoint.dir is empty")
 
@@ -282,6 +287,7 @@ class Trainer:
         t0 = time.perf_counter()
         guarded = bool(self.guards)
         start = StepStart.capture(step, self.state) if guarded else None
+        light = self._light_capture() if guarded else None
         inspects_update = any(g.inspects_update for g in self.guards)
         retries: list[dict[str, Any]] = []
         previous: set[tuple[int, str]] = set()
@@ -306,6 +312,7 @@ class Trainer:
                     step, lr = plan.step, self.optimizer.param_groups[0]["lr"]
                     ctx = StepContext(self, step, attempt)
                     start = StepStart.capture(step, self.state) if guarded else None
+                    light = self._light_capture() if guarded else None
                 self._stage("plan", step)
                 try:
                     loss = self.strategy.forward_backward(self, plan)
@@ -350,8 +357,15 @@ class Trainer:
             self._rollback(start, update_snapshot)
             for g in self.guards:
                 g.on_retry(ctx, verdict)
+            if verdict.rewind:  # the previous step's update read something wrong: it is re-executed first
+                retries[-1]["rewound_to"] = step - 1
+                self._redo_previous(ctx, step)
+                start = StepStart.capture(step, self.state)
+                light = self._light_capture()
             attempt += 1
         self.step_idx = step + 1
+        if guarded:
+            self._prev = (step, start, light)
         global_loss = self.strategy.global_loss(self, loss)
         result = StepResult(step, global_loss, grad_norm, lr, self.tokens_per_step, time.perf_counter() - t0,
                             len(plan.micro), attempt + 1, retries)
@@ -364,6 +378,70 @@ class Trainer:
                 fn(self, result)
         return result
 
+    # ---- rewinding across a commit -----------------------------------------------------------------
+    def carry_allowed(self, step: int) -> bool:
+        """Whether a guard may leave checks of ``step`` to run after its update (in the next step): not when the
+        state is read right after it (evaluation, checkpoint, preemption, the end of ``run()``), nor while a step
+        is being re-executed for a rewind."""
+        cfg = self.cfg
+        nxt = step + 1
+        return not (self._redoing or self.preempt_requested
+                    or (self._run_end is not None and nxt >= self._run_end)
+                    or (cfg.train.eval_every and nxt % cfg.train.eval_every == 0)
+                    or (self.ckpt is not None and cfg.checkpoint.every and nxt % cfg.checkpoint.every == 0))
+
+    def _light_capture(self) -> dict[str, Any]:
+        """What a rewind restores besides what guards keep: the scheduler, the optimizer's hyper-parameters and its
+        scalar state (step counters); small, so taken at every guarded step's start."""
+        opt = self.optimizer
+        scalars = {(gi, pi, k): v.detach().clone() for gi, g in enumerate(opt.param_groups)
+                   for pi, p in enumerate(g["params"]) for k, v in opt.state.get(p, {}).items()
+                   if torch.is_tensor(v) and v.numel() <= 1}
+        has_state = {(gi, pi) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])
+                     if opt.state.get(p)}
+        groups = [{k: snap_mod._clone(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        sched = snap_mod._clone(self.scheduler.state_dict()) if self.scheduler is not None else None
+        return {"scalars": scalars, "has_state": has_state, "groups": groups, "scheduler": sched}
+
+    def _light_restore(self, light: dict[str, Any]) -> None:
+        opt = self.optimizer
+        for gi, (g, saved) in enumerate(zip(opt.param_groups, light["groups"])):
+            g.update({k: snap_mod._clone(v) for k, v in saved.items()})
+            for pi, p in enumerate(g["params"]):
+                if (gi, pi) not in light["has_state"]:
+                    opt.state.pop(p, None)  # created by the update being undone
+        with torch.no_grad():
+            for (gi, pi, k), v in light["scalars"].items():
+                opt.state[opt.param_groups[gi]["params"][pi]][k].copy_(v)
+        if light["scheduler"] is not None:
+            self.scheduler.load_state_dict(snap_mod._clone(light["scheduler"]))
+
+    def _redo_previous(self, ctx: StepContext, step: int) -> StepResult:
+        """Back to the start of ``step - 1`` (guards restore parameters and optimizer tensors, the trainer the
+        rest) and re-execute it, checked in full before its commit; the caller then re-executes ``step``."""
+        if self._prev is None or self._prev[0] != step - 1:
+            raise StepAborted(f"step {step}: a guard asked to rewind to step {step - 1}, whose start is not kept")
+        k, start, light = self._prev
+        self.optimizer.zero_grad(set_to_none=True)
+        for g in self.guards:
+            fn = getattr(g, "on_rewind", None)
+            if fn is not None:
+                fn(ctx, k)
+        self._light_restore(light)
+        start.restore(self.state)
+        self.step_idx = k
+        self._redoing = True
+        try:
+            return self.train_step()
+        finally:
+            self._redoing = False
+
+    def redo_last_step(self, reason: str) -> StepResult:
+        """A guard found, after the fact (settling pending checks before the state is read), that the last
+        committed step read something wrong: re-execute it from its start."""
+        self._note(f"step {self.step_idx}: re-executed before the state is read ({reason})")
+        return self._redo_previous(StepContext(self, self.step_idx, 0), self.step_idx)
+
     def _on_error(self, ctx: StepContext, err: Exception) -> list[Verdict]:
         """Guards' explanation of an exception in forward/backward: retry verdicts, or [] (re-raise). Single
         process only: on several ranks the others would wait in a collective for the failed one."""
@@ -373,7 +451,7 @@ class Trainer:
         for g in self.guards:
             v = g.on_error(ctx, err)
             if v is not None and not v.ok:
-                out.append(Verdict(v.action, v.site, v.reason, v.guard or g.name, self.rank))
+                out.append(Verdict(v.action, v.site, v.reason, v.guard or g.name, self.rank, v.rewind))
         return out
 
     def _stage(self, stage: str, step: int) -> None:
@@ -393,7 +471,7 @@ class Trainer:
                 continue
             v = g.before_update(ctx) if stage == "before_update" else g.after_update(ctx)
             if not v.ok:
-                local.append(Verdict(v.action, v.site, v.reason, v.guard or g.name, self.rank))
+                local.append(Verdict(v.action, v.site, v.reason, v.guard or g.name, self.rank, v.rewind))
         return self.strategy.reduce_verdicts(self, worst(local))
 
     def _rollback(self, start: StepStart | None, update: StepSnapshot | None) -> None:
@@ -646,6 +724,7 @@ class Trainer:
                 logger.event(event="checkpoint", step=self.step_idx, path=summary.checkpoint)
 
         previous_handler = self._catch_sigterm()
+        self._run_end = end
         try:
             while self.step_idx < end:
                 r = self.train_step()
@@ -687,6 +766,7 @@ class Trainer:
             summary.stopped_early, summary.stop_reason = True, "interrupted"
             raise RunInterrupted(self.step_idx) from None
         finally:
+            self._run_end = None
             self._restore_sigterm(previous_handler)
             logger.close()
             self._finish_summary(summary, start, t0, first_loss, last, evaluation, logger, out_dir)

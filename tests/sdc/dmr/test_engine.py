@@ -196,3 +196,37 @@ def test_a_wrong_held_update_is_written_back_and_the_next_step_retried_bitwise(b
     # write-back
     assert attempts == [2, 1, 2]
     assert _equal(_params(t), clean)
+
+
+@pytest.mark.parametrize("occurrence", [3, 23, 40])
+def test_a_wrong_backward_op_whose_check_was_carried_past_the_update_rewinds_both_steps_bitwise(
+        batches, clean, occurrence):
+    """With no window after them (here: no window at all), the plan's naive backward ops are checked in the next
+    iteration, against the parameters as they were before the update: the fault of step 1 is found in step 2, the
+    state goes back to the start of step 1 and both steps are re-executed; the result is the fault-free run's."""
+    t, eng = _held_trainer(batches)
+    inj = Injector(Fault(OpSite("*", "backward", occurrence, compute_only=True), FaultModel("bitflip", field="exponent"),
+                         step=1), seed=7).attach(t)
+    results = [t.train_step() for _ in range(3)]
+    assert len(inj.records) == 1 and eng.totals["detected"] >= 1
+    assert [r.attempts for r in results] == [2, 1, 2]  # (step 0: profiled, then re-executed under the plan)
+    assert results[2].retries[0]["rewind"] and results[2].retries[0]["rewound_to"] == 1
+    assert eng.counts["carried"] > 0 or eng.totals["detected"] >= 1
+    assert _equal(_params(t), clean)
+
+
+def test_a_carried_check_that_fails_when_the_state_is_read_re_executes_the_last_step_first(batches, clean):
+    t, eng = _held_trainer(batches)
+    Injector(Fault(OpSite("*", "backward", 23, compute_only=True), FaultModel("bitflip", field="exponent"), step=2),
+             seed=7).attach(t)
+    results = [t.train_step() for _ in range(3)]
+    assert [r.attempts for r in results] == [2, 1, 1] and eng._carried  # the fault's check is still pending
+    assert _equal(_params(t), clean)  # (reading the state settles it: step 2 is re-executed first)
+    assert eng.totals["detected"] == 1 and not eng._carried
+
+
+def test_no_check_is_carried_past_the_last_step_of_a_run(batches, clean):
+    t, eng = _held_trainer(batches)
+    t.run(3)
+    assert not eng._carried and eng.totals["detected"] == 0
+    assert _equal(_params(t), clean)

@@ -35,6 +35,11 @@ class DMRConfig:
                                 "in the next iteration's windows from a verified copy of the state before it (a "
                                 "wrong update is written back and that iteration retried); false: checked in "
                                 "pieces at once, as the naive system does")
+    carry_last: bool = setting(True, help="sparetrain with idle windows and the held update: backward ops the plan "
+                               "leaves naive because no window follows them before the update (the last "
+                               "micro-batch's on the first stage) are checked in the next iteration's first window "
+                               "instead, against the state before the update; a mismatch re-executes both "
+                               "iterations. false: checked at once")
     plan: str = setting("", help="a DMR plan JSON (trainguard plan dmr --out); empty: profile and plan at the start")
     profile_steps: int = setting(1, help="steps profiled before planning (they run with naive DMR)")
     determinism_report: str = setting("", help="tolerance mode: a determinism report JSON (from a clean run)")

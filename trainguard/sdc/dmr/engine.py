@@ -77,6 +77,7 @@ from trainguard.train.guards import StepGuard, Verdict
 _FUSED_OPTIMIZERS = ("aten._fused_adamw_.default", "aten._fused_adam_.default")
 _CHECKING = threading.local()  # set while this thread runs deferred checkers
 _DEFERRED = ("d-inter", "d-intra", "agc")
+CARRY = "carry"  # the window of checks carried into the next iteration
 
 
 @dataclass
@@ -113,6 +114,8 @@ class Deferred:
     expect: Any  # dops.Fingerprint, or a copy of the output ([sdc.dmr] fingerprints = false)
     nbytes: int
     est_s: float = 0.0
+    carried: bool = False  # checked in the next iteration, with the parameters as they were before the update
+    held: dict | None = None  # the inputs it keeps (see _defer)
 
 
 @dataclass
@@ -228,6 +231,17 @@ class DMREngine:
         self._spare: dict[int, torch.Tensor] = {}
         self._repair: list[tuple[dict, dict]] = []  # (verified result, live state) to write back
         self._held_fatal: str | None = None
+        self._pre_start: int | None = None  # the step at whose start the state was what ``_pre`` holds
+        self._spare_start: int | None = None  # the same for ``_spare``
+        # checks carried into the next iteration (``carry_last``): the iteration that queued them, and whether one
+        # of them failed (the update of that iteration read wrong gradients: both iterations are re-executed)
+        self._carried: list[Deferred] = []
+        self._pre_by_storage: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._carried_step = -1
+        self.carried_bytes = 0
+        self.carry_ok = False  # set by the trainer, per step: no state read follows this step's update
+        self._rewind = False
+        self._trainer = None
         self._index_plan()
         self._reset_attempt()
 
@@ -261,6 +275,7 @@ class DMREngine:
         trainer.metric_sources.append(self.metrics)
         self._handles.append(trainer.add_state_hook(self._state_event))
         self._world = trainer.world
+        self._trainer = trainer
         return self
 
     def needs_plan(self) -> bool:
@@ -325,8 +340,11 @@ class DMREngine:
         self._later_fifo: deque[_Later | tuple] = deque()
         self._later_by_storage: dict[int, list[_Later]] = {}
         self.later_bytes = 0
-        # inputs queued checks keep by reference, by storage: copied before a collective is handed them
-        self._kept_by_storage: dict[int, list[tuple]] = {}
+        # inputs queued checks keep by reference, by storage: copied before a collective is handed them (those of
+        # checks carried from the previous iteration stay registered: the next transfer may reuse their buffer)
+        carried = {id(d.held) for d in getattr(self, "_carried", ()) if d.held is not None}
+        kept = {k: [e for e in v if id(e[0]) in carried] for k, v in getattr(self, "_kept_by_storage", {}).items()}
+        self._kept_by_storage: dict[int, list[tuple]] = {k: v for k, v in kept.items() if v}
         if self.dynamic.queue:
             self.dynamic.queue.clear()
         self.dynamic.reset()
@@ -413,6 +431,8 @@ class DMREngine:
                     return "p-dmr", None
                 if a.strategy == "dynamic":
                     return "dynamic", None
+                if phase == "backward" and self._carrying():
+                    return "d-inter", CARRY  # no window follows it before the update: the next iteration's first
                 return "naive", None
         if phase == "forward" and in_segment:
             return "p-dmr", None
@@ -861,6 +881,7 @@ class DMREngine:
                 if kept is None or kept[0] is not t:  # first update of this tensor: copied once
                     self._pre[id(t)] = (t, t.detach().clone())
                     self.counts["optimizer-state-copied"] += 1
+                    self._pre_start = self.step
                 elif small:
                     # scalars the optimizer changes outside this op (its step counters, incremented by their own
                     # verified op just before): the copy takes them as this call reads them
@@ -908,8 +929,10 @@ class DMREngine:
             for n in h.written:
                 for t, c, p in zip(live[n], chk[n], pre[n]):
                     self._pre[id(t)], self._spare[id(t)] = (t, c), p
+            self._pre_start, self._spare_start = h.step + 1, h.step
             return
-        self._run_update(h, pre)  # the tie-breaker, from the same copy
+        self._run_update(h, pre)  # the tie-breaker, from the same copy (the copy is the state after it now)
+        self._pre_start, self._spare_start = h.step + 1, None
         if all(dops.bitwise_equal(pre[n], chk[n]) for n in h.written):
             self._repair.append((pre, live))  # the primary was wrong: written back before the next verdict
             self.totals["repaired_optimizer"] += 1
@@ -920,6 +943,83 @@ class DMREngine:
         else:
             self._held_fatal = (f"three executions of {dops.info(h.func).name} in the update stage of step {h.step} "
                                 f"all differ ({h.op_id}): this device does not compute reliably")
+
+    # ---- checks carried past the update into the next iteration (``carry_last``) ---------------------------
+    # The plan leaves naive the backward ops that no window follows before the update (on the first pipeline
+    # stage: the last micro-batch's backward). With the update held (above), the verified state before the update
+    # is kept anyway, so those checks can wait for the next iteration's first window: they run with the
+    # parameters as the primary read them (the held copy), and a mismatch means the update read wrong gradients:
+    # the trainer puts the state back to the start of that iteration (parameters and optimizer from the held
+    # copy, the rest from its own record) and re-executes both iterations. A step after which the trainer
+    # reads the state (evaluation, checkpoint, the end of the run) carries nothing.
+    def _carrying(self) -> bool:
+        # (not on the expert-parallel strategy: there a rewind does not yet end bitwise equal to the fault-free
+        # run, so its last checks are not carried)
+        return (self.carry_ok and self.cfg.carry_last and getattr(self._trainer.strategy, "name", "") != "expert"
+                and self._lazy_ok() and self.cfg.system == "sparetrain" and self.cfg.hold_update and self.cfg.fingerprints and self.cfg.compare == "bitwise"
+                and self._hold_expected())
+
+    def _hold_expected(self) -> bool:
+        """Whether this iteration's update will be held (``_can_hold``), judged before it runs."""
+        opt = getattr(self._trainer, "optimizer", None)
+        if opt is None or not all(g.get("fused") for g in opt.param_groups) or \
+                type(opt).__name__ not in ("Adam", "AdamW"):
+            return False
+        n = sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"])
+        return not self.budget_bytes or 2 * 3 * n <= self.budget_bytes // 2
+
+    def _carried_due(self) -> bool:
+        return bool(self._carried) and self._carried_step < self.step
+
+    def _before_update(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as it was before the held update: a parameter, or a view of one (a transposed weight), taken from
+        the held copy of it; anything else as it is."""
+        try:
+            kept = self._pre_by_storage.get(t.untyped_storage().data_ptr())
+        except RuntimeError:
+            return t
+        if kept is None:
+            return t
+        p, c = kept
+        if t is p:
+            return c
+        return c.as_strided(t.size(), t.stride(), t.storage_offset() - p.storage_offset() + c.storage_offset())
+
+    def _check_carried(self, every: bool = False) -> bool:
+        """Run the carried checks that are due (``every``: also this iteration's); True if one differed."""
+        if not self._carried or not (every or self._carried_due()):
+            return self._rewind
+        items, self._carried = self._carried, []
+        self._pre_by_storage = {p.untyped_storage().data_ptr(): (p, c) for p, c in self._pre.values()}
+        try:
+            for d in items:
+                self._check(d, CARRY)
+        finally:
+            self._pre_by_storage = {}
+        self.carried_bytes = 0
+        return self._rewind
+
+    def restore_before_update(self, step: int) -> None:
+        """Parameters and optimizer state (but its scalar step counters, which the trainer restores) back to their
+        verified copies from the start of iteration ``step``: the held copy, or, when the held check of that
+        update already passed on this rank, the buffer its previous copy moved to. What was pending is dropped."""
+        keys = list(self._pre)
+        if self._pre_start == step:
+            src = [self._pre[k][1] for k in keys]
+        elif self._spare_start == step and all(k in self._spare for k in keys):
+            src = [self._spare[k] for k in keys]
+            for k in keys:  # the copy from the start of ``step`` is the verified state before its update again
+                t, c = self._pre[k]
+                self._pre[k], self._spare[k] = (t, self._spare[k]), c
+            self._pre_start, self._spare_start = step, None
+        else:
+            raise RuntimeError(f"dmr: the state at the start of step {step} is no longer kept (two faults at once: a "
+                               "wrong update and a carried check that differs); restart from the last checkpoint")
+        with torch.no_grad():
+            torch._foreach_copy_([self._pre[k][0] for k in keys], src)
+        self._held, self._repair, self._carried = [], [], []
+        self.carried_bytes, self._rewind = 0, False
+        self.mismatches = []
 
     def _apply_repair(self) -> None:
         if self._held_fatal is not None:
@@ -937,19 +1037,27 @@ class DMREngine:
         if event == "write":
             self._pre.clear()
             self._spare.clear()
+            self._pre_start = self._spare_start = None
 
     def settle(self) -> None:
         """Check the held updates now, on this thread, and write back a repair: before anything reads the state
         from outside the training loop (a checkpoint, an evaluation, a comparison, the end of the run)."""
-        if not self._held and not self._repair and self._held_fatal is None:
+        if not self._held and not self._repair and self._held_fatal is None and not self._carried:
             return
         _CHECKING.active = True
         try:
             with checker_execution():
-                self._check_held()
-                self._apply_repair()
+                if self._check_carried(every=True):
+                    rewound = True
+                else:
+                    rewound = False
+                    self._check_held()
+                    self._apply_repair()
         finally:
             _CHECKING.active = False
+        if rewound:  # the last update read wrong gradients: re-executed (through the trainer) before anything reads
+            self._trainer.redo_last_step("dmr: a check carried past the last update differs")
+            self.settle()  # (the re-executed step carries nothing: its held update is checked here)
         # (repaired before anything of a later step ran: a detection, nothing to re-execute)
         self.mismatches = [m for m in self.mismatches if m.strategy != "optimizer-held"]
 
@@ -976,17 +1084,24 @@ class DMREngine:
         versions = [t._version for t in ins]
         held = {"args": kept, "ins": ins, "versions": versions}
         nbytes = sum(t.numel() * t.element_size() for t in ins if not self._is_param(t))
-        if strategy != "dynamic" and self.budget_bytes and self.queued_bytes + nbytes > self.budget_bytes:
+        if strategy != "dynamic" and self.budget_bytes and \
+                self.queued_bytes + self.carried_bytes + nbytes > self.budget_bytes:
             self.counts["naive-fallback"] += 1
             return self._naive(op_id, phase, func, args, kwargs)
         t0 = time.perf_counter()
         out = _primary(func, args, kwargs)
         est = time.perf_counter() - t0
-        def run(held=held):
+        def run(held=held, before_update: Callable | None = None):
             try:
-                if any(t._version != v for t, v in zip(held["ins"], held["versions"])):
-                    raise _Stale
-                return func(*held["args"][0], **held["args"][1])
+                args = held["args"]
+                if before_update is None:
+                    if any(t._version != v for t, v in zip(held["ins"], held["versions"])):
+                        raise _Stale
+                else:  # carried past the update: parameters as the primary read them (the update's verified copy)
+                    if any(t._version != v and before_update(t) is t for t, v in zip(held["ins"], held["versions"])):
+                        raise _Stale
+                    args = tree_map(lambda t: before_update(t) if isinstance(t, torch.Tensor) else t, args)
+                return func(*args[0], **args[1])
             finally:
                 held["args"], held["ins"], held["versions"] = None, [], []  # checked: the inputs are released
 
@@ -1003,7 +1118,7 @@ class DMREngine:
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
         if not self.cfg.fingerprints:
             nbytes += sum(t.numel() * t.element_size() for t in dops.tensors(expect))
-        d = Deferred(op_id, dops.info(func).name, phase, strategy, window, run, expect, nbytes, est)
+        d = Deferred(op_id, dops.info(func).name, phase, strategy, window, run, expect, nbytes, est, held=held)
         if strategy == "dynamic":
             self.dynamic.enqueue(Entry(op_id, nbytes, est, lambda d=d: self._check(d, "dynamic")))
         else:
@@ -1041,7 +1156,8 @@ class DMREngine:
                                                    dynamic=kind == "ep"))
         todo = [d for d in self.queue if d.window == wid] + [d for d in self.queue if d.window is None]
         tapes = [t for t in self._tapes.values() if t.window == wid and t.complete and not t.replayed]
-        if not todo and not tapes and not self.dynamic.queue and not self._later_fifo and not self._held:
+        if not todo and not tapes and not self.dynamic.queue and not self._later_fifo and not self._held \
+                and not self._carried_due():
             return wait()
         closed = threading.Event()
         ran: list[Deferred] = []
@@ -1057,6 +1173,8 @@ class DMREngine:
         def checks() -> None:
             _CHECKING.active = True
             with checker_execution():
+                if self._check_carried():  # the previous iteration's last checks (all of them, in this window)
+                    return  # one failed: both iterations are re-executed; the held update keeps its copy
                 self._check_held(self.step)  # the previous iteration's update, from the first window on
                 # fingerprints taken later next: they hold outputs alive (and P-DMR comparisons wait on them)
                 self._settle(lambda: not closed.is_set())
@@ -1088,7 +1206,7 @@ class DMREngine:
 
     def _check(self, d: Deferred, where: str) -> None:
         try:
-            got = d.run()
+            got = d.run(before_update=self._before_update) if d.carried else d.run()
             got = self._fp(got) if isinstance(d.expect, (dops.Fingerprint, _Later)) else got
         except _Stale:
             self.counts["stale"] += 1  # an input changed in place: not checkable, counted against coverage
@@ -1101,19 +1219,34 @@ class DMREngine:
             lambda: dops.bitwise_equal(d.expect, got))
         if got is not None and not agree():
             self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"deferred check ({where}) differs")
+            if d.carried:
+                self._rewind = True
         with self._lock:
-            if d.strategy != "dynamic":
+            if d.carried:
+                self.carried_bytes -= d.nbytes
+            elif d.strategy != "dynamic":
                 self.queued_bytes -= d.nbytes
             self.counts[f"checked-in-{where.split(':')[0]}"] += 1
 
     def drain(self) -> None:
         """Run every checker still queued, on this thread (the end of the iteration: nothing is left unchecked)."""
         todo, self.queue = self.queue, []
+        carry = [d for d in todo if d.window == CARRY]
+        todo = [d for d in todo if d.window != CARRY] if carry else todo
         self.queued_bytes = 0
         _CHECKING.active = True
         t0 = time.perf_counter()
         try:
             with checker_execution():
+                if self._check_carried():  # (the previous iteration's, if no window ran them)
+                    return  # both iterations are re-executed: nothing else of this one needs checking
+                if carry:  # checked in the next iteration (their fingerprints are taken below, before the update)
+                    for d in carry:
+                        d.carried, d.strategy = True, "carried"
+                    self._carried += carry
+                    self._carried_step = self.step
+                    self.carried_bytes += sum(d.nbytes for d in carry)
+                    self.counts["carried"] += len(carry)
                 self._check_held(self.step)  # (not this iteration's own update: the next one checks it)
                 self._settle()
                 for d in todo:
@@ -1261,12 +1394,19 @@ class DMRGuard(StepGuard):
     def __init__(self, engine: DMREngine):
         self.engine = engine
 
+    def on_step_start(self, ctx) -> None:
+        self.engine.carry_ok = ctx.trainer.carry_allowed(ctx.step)
+
     def before_update(self, ctx) -> Verdict:
         eng = self.engine
         if eng._profiling:
             eng.finish_profile(ctx.trainer)
             return Verdict.retry(site="profile", reason="profiled this attempt (unverified); re-executed with the plan")
         eng.drain()
+        if eng._rewind:  # a check carried from the previous iteration differs: its update read wrong gradients
+            m = next(m for m in eng.mismatches if m.strategy == "carried")
+            return Verdict.retry(site=m.site(), reason=f"{m.phase} op {m.name} of step {eng._carried_step} (checked "
+                                 f"after its update): {m.detail}", rewind=True)
         eng._apply_repair()  # a wrong update of the previous step, written back: this iteration read it, so retry
         if eng.mismatches:
             m = eng.mismatches[0]
@@ -1276,8 +1416,14 @@ class DMRGuard(StepGuard):
 
     def on_retry(self, ctx, verdict) -> None:
         # an update of this step that ran before the retry was rolled back with it (the trainer restored the state
-        # before it, which is the engine's copy): its check is dropped
-        self.engine._held = [h for h in self.engine._held if h.step != ctx.step]
+        # before it, which is the engine's copy): its check is dropped, and so are the checks it carried
+        eng = self.engine
+        eng._held = [h for h in eng._held if h.step != ctx.step]
+        if eng._carried_step == ctx.step:
+            eng._carried, eng.carried_bytes = [], 0
+
+    def on_rewind(self, ctx, step: int) -> None:
+        self.engine.restore_before_update(step)
 
     def on_error(self, ctx, err: Exception) -> Verdict | None:
         if not self.engine.mismatches:
