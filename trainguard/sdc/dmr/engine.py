@@ -956,7 +956,8 @@ class DMREngine:
         # (not on the expert-parallel strategy: there a rewind does not yet end bitwise equal to the fault-free
         # run, so its last checks are not carried)
         return (self.carry_ok and self.cfg.carry_last and getattr(self._trainer.strategy, "name", "") != "expert"
-                and self._lazy_ok() and self.cfg.system == "sparetrain" and self.cfg.hold_update and self.cfg.fingerprints and self.cfg.compare == "bitwise"
+                and self._lazy_ok() and self.cfg.system == "sparetrain" and self.cfg.hold_update
+                and self.cfg.fingerprints and self.cfg.compare == "bitwise"
                 and self._hold_expected())
 
     def _hold_expected(self) -> bool:
