@@ -78,6 +78,11 @@ elif mode.startswith("dmr:"):  # dmr:R:K:PHASE: a bit flip in rank R's PHASE ops
     if trainer.rank == int(rank):
         site = OpSite("*", phase, 5, compute_only=True)
         injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
+elif mode.startswith("dmrocc:"):  # dmrocc:R:K:PHASE:N: a bit flip in rank R's N-th PHASE op at step K, DMR on
+    _, rank, step, phase, occ = mode.split(":")
+    if trainer.rank == int(rank):
+        site = OpSite("*", phase, int(occ), compute_only=True)
+        injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
 elif mode.startswith("dmradam:"):  # dmradam:R:K: a bit flip in what rank R's fused AdamW writes at step K
     _, rank, step = mode.split(":")
     if trainer.rank == int(rank):
@@ -96,7 +101,7 @@ elif mode.startswith("abft:"):
 summary = trainer.run(n_steps)
 trainer.close()
 abft = handles["abft"].total() if "abft" in handles else {}
-fired = bool(mode.startswith(("abft:", "dmr:", "dmradam:", "dmrroute:")) and "injector" in globals() and injector.records)
+fired = bool(mode.startswith(("abft:", "dmr:", "dmrocc:", "dmradam:", "dmrroute:")) and "injector" in globals() and injector.records)
 dmr = handles.get("dmr")
 sched = getattr(trainer.strategy, "schedule", None)
 torch.save({"state": trainer.state_dict_for_compare(), "steps": steps, "summary": summary.to_dict(), "abft": abft,

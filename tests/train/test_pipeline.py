@@ -161,6 +161,23 @@ def test_dmr_on_two_stages_detects_a_bit_flip_and_ends_bitwise_equal(tmp_path, c
 
 
 @pytest.mark.slow
+def test_dmr_a_fault_in_the_last_micro_batch_backward_is_found_after_the_update_and_both_steps_re_executed(
+        tmp_path, clean_pp2):
+    """Stage 0's last micro-batch backward has no transfer after it before the update: its checks are carried into
+    step 3's first window (``carry_last``). Op 560 of stage 0's backward ops falls in that micro-batch (of ~620).
+    The bit flip of step 2 is found in step 3: both stages go back to the start of step 2 and re-execute steps 2
+    and 3; the parameters end bitwise equal to the fault-free run's."""
+    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true"]
+    got = run_dist(tmp_path, "carry", 2, "dmrocc:0:2:backward:560", *PP, *dmr)
+    assert got[0]["fired"] and got[0]["dmr"]["detected"] == 1
+    # step 0 profiled, then re-executed; step 2 committed, then (in step 3) re-executed (recorded once more);
+    # step 3 re-executed after it, on both stages
+    assert all([s["attempts"] for s in r["steps"]] == [2, 1, 1, 1, 2] for r in got)
+    assert all(r["dmr_coverage"] == 1.0 for r in got)
+    assert_bitwise(got, clean_pp2)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("step", [1, 2, 3])
 def test_dmr_a_wrong_optimizer_update_is_caught_in_the_next_iteration_and_repaired_bitwise(tmp_path, clean_pp2, step):
     """The fused AdamW's check is held into the next iteration's windows (``hold_update``): a bit flip in what
