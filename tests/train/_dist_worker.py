@@ -78,7 +78,9 @@ elif mode.startswith("dmr:"):  # dmr:R:K:PHASE: a bit flip in rank R's PHASE ops
     if trainer.rank == int(rank):
         site = OpSite("*", phase, 5, compute_only=True)
         injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
-elif mode.startswith("dmrocc:"):  # dmrocc:R:K:PHASE:N: a bit flip in rank R's N-th PHASE op at step K, DMR on
+elif mode.startswith(("dmrocc:", "dmrloop:")):  # dmrocc:R:K:PHASE:N: a bit flip in rank R's N-th PHASE op at
+    # step K, DMR on; dmrloop: the same, the steps run by train_step() (not run(): the last one may carry checks,
+    # settled when the state is read at the end)
     _, rank, step, phase, occ = mode.split(":")
     if trainer.rank == int(rank):
         site = OpSite("*", phase, int(occ), compute_only=True)
@@ -98,13 +100,21 @@ elif mode.startswith("abft:"):
     # (row 1, column 1) of the first head's scores: kept by the causal mask
     fault = Fault(ProductSite("scores", layer=layer), FaultModel("nan"), step=1, index=cfg.data.seq_len + 1)
     injector = Injector(fault).attach(trainer)
-summary = trainer.run(n_steps)
+if mode.startswith("dmrloop:"):
+    for _ in range(n_steps or cfg.train.steps):
+        trainer.train_step()
+    trainer.settle()  # on every rank, as a checkpoint or an evaluation would
+    summary = None
+else:
+    summary = trainer.run(n_steps)
 trainer.close()
 abft = handles["abft"].total() if "abft" in handles else {}
-fired = bool(mode.startswith(("abft:", "dmr:", "dmrocc:", "dmradam:", "dmrroute:")) and "injector" in globals() and injector.records)
+fired = bool(mode.startswith(("abft:", "dmr:", "dmrocc:", "dmrloop:", "dmradam:", "dmrroute:")) and "injector" in globals()
+             and injector.records)
 dmr = handles.get("dmr")
 sched = getattr(trainer.strategy, "schedule", None)
-torch.save({"state": trainer.state_dict_for_compare(), "steps": steps, "summary": summary.to_dict(), "abft": abft,
+torch.save({"state": trainer.state_dict_for_compare(), "steps": steps, "summary": summary.to_dict() if summary else {},
+            "abft": abft,
             "fired": fired, "rank": trainer.rank, "waits": waits,
             "dmr": dict(dmr.totals) if dmr else {}, "dmr_coverage": dmr.coverage_report()["coverage"] if dmr else None,
             "dmr_counts": dict(dmr.counts) if dmr else {}, "wait_s": getattr(sched, "wait_s", 0.0)},

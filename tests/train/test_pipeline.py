@@ -178,6 +178,19 @@ def test_dmr_a_fault_in_the_last_micro_batch_backward_is_found_after_the_update_
 
 
 @pytest.mark.slow
+def test_dmr_a_fault_in_the_last_steps_carried_checks_is_judged_by_every_stage_when_the_state_is_read(
+        tmp_path, clean_pp2):
+    """Steps run by ``train_step()`` (as a benchmark or a campaign does): the last step carries its checks, and
+    reading the state settles them. Stage 0's check fails; every stage learns it (a collective, or stage 1 would
+    wait alone) and both re-execute step 3: bitwise equal to the fault-free run."""
+    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true"]
+    got = run_dist(tmp_path, "settle", 2, "dmrloop:0:3:backward:560", *PP, *dmr, "--train.eval_every", "0")
+    assert got[0]["fired"] and got[0]["dmr"]["detected"] == 1
+    assert all([s["attempts"] for s in r["steps"]] == [2, 1, 1, 1, 1] for r in got)  # step 3 once more
+    assert_bitwise(got, clean_pp2)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("step", [1, 2, 3])
 def test_dmr_a_wrong_optimizer_update_is_caught_in_the_next_iteration_and_repaired_bitwise(tmp_path, clean_pp2, step):
     """The fused AdamW's check is held into the next iteration's windows (``hold_update``): a bit flip in what

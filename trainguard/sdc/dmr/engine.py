@@ -240,6 +240,9 @@ class DMREngine:
         self._carried_step = -1
         self.carried_bytes = 0
         self.carry_ok = False  # set by the trainer, per step: no state read follows this step's update
+        # the step after whose update checks may have been carried on some rank, until every rank has judged them
+        # together (the next step's verdict, or a collective in settle): the same on every rank
+        self._carry_sync_step: int | None = None
         self._rewind = False
         self._trainer = None
         self._index_plan()
@@ -960,6 +963,11 @@ class DMREngine:
                 and self.cfg.fingerprints and self.cfg.compare == "bitwise"
                 and self._hold_expected())
 
+    def _carry_sync(self) -> bool:
+        """Whether this step may carry checks on some rank (no per-rank quantity enters it: every rank agrees)."""
+        return (self.carry_ok and self.cfg.carry_last and getattr(self._trainer.strategy, "name", "") != "expert"
+                and self._lazy_ok() and self.cfg.system == "sparetrain")
+
     def _hold_expected(self) -> bool:
         """Whether this iteration's update will be held (``_can_hold``), judged before it runs."""
         opt = getattr(self._trainer, "optimizer", None)
@@ -1043,19 +1051,26 @@ class DMREngine:
     def settle(self) -> None:
         """Check the held updates now, on this thread, and write back a repair: before anything reads the state
         from outside the training loop (a checkpoint, an evaluation, a comparison, the end of the run)."""
-        if not self._held and not self._repair and self._held_fatal is None and not self._carried:
+        sync = self._carry_sync_step is not None and self._world > 1
+        if not self._held and not self._repair and self._held_fatal is None and not self._carried and not sync:
             return
         _CHECKING.active = True
         try:
             with checker_execution():
-                if self._check_carried(every=True):
-                    rewound = True
-                else:
-                    rewound = False
-                    self._check_held()
-                    self._apply_repair()
+                rewound = self._check_carried(every=True)
         finally:
             _CHECKING.active = False
+        if sync:  # a re-execution is collective: every rank learns whether some rank's carried check failed
+            rewound = self._trainer.strategy.any_rank(self._trainer, rewound)
+        self._carry_sync_step = None
+        if not rewound:
+            _CHECKING.active = True
+            try:
+                with checker_execution():
+                    self._check_held()
+                    self._apply_repair()
+            finally:
+                _CHECKING.active = False
         if rewound:  # the last update read wrong gradients: re-executed (through the trainer) before anything reads
             self._trainer.redo_last_step("dmr: a check carried past the last update differs")
             self.settle()  # (the re-executed step carries nothing: its held update is checked here)
@@ -1241,6 +1256,8 @@ class DMREngine:
             with checker_execution():
                 if self._check_carried():  # (the previous iteration's, if no window ran them)
                     return  # both iterations are re-executed: nothing else of this one needs checking
+                if self._carry_sync():
+                    self._carry_sync_step = self.step
                 if carry:  # checked in the next iteration (their fingerprints are taken below, before the update)
                     for d in carry:
                         d.carried, d.strategy = True, "carried"
@@ -1403,6 +1420,7 @@ class DMRGuard(StepGuard):
         if eng._profiling:
             eng.finish_profile(ctx.trainer)
             return Verdict.retry(site="profile", reason="profiled this attempt (unverified); re-executed with the plan")
+        eng._carry_sync_step = None  # (this verdict, reduced over every rank, judges the previous step's carried checks)
         eng.drain()
         if eng._rewind:  # a check carried from the previous iteration differs: its update read wrong gradients
             m = next(m for m in eng.mismatches if m.strategy == "carried")
