@@ -994,18 +994,22 @@ class DMREngine:
             return c
         return c.as_strided(t.size(), t.stride(), t.storage_offset() - p.storage_offset() + c.storage_offset())
 
-    def _check_carried(self, every: bool = False) -> bool:
-        """Run the carried checks that are due (``every``: also this iteration's); True if one differed."""
+    def _check_carried(self, every: bool = False, more: Callable[[], bool] = lambda: True) -> bool:
+        """Run the carried checks that are due (``every``: also this iteration's) while ``more()`` (a window still
+        open) says so; True if one differed."""
         if not self._carried or not (every or self._carried_due()):
             return self._rewind
-        items, self._carried = self._carried, []
         self._pre_by_storage = {p.untyped_storage().data_ptr(): (p, c) for p, c in self._pre.values()}
+        done = 0
         try:
-            for d in items:
-                self._check(d, CARRY)
+            while done < len(self._carried) and more() and not self._rewind:
+                self._check(self._carried[done], CARRY)
+                done += 1
         finally:
             self._pre_by_storage = {}
-        self.carried_bytes = 0
+            del self._carried[:done]
+        if not self._carried:
+            self.carried_bytes = 0
         return self._rewind
 
     def restore_before_update(self, step: int) -> None:
@@ -1189,9 +1193,8 @@ class DMREngine:
         def checks() -> None:
             _CHECKING.active = True
             with checker_execution():
-                if self._check_carried():  # the previous iteration's last checks (all of them, in this window)
-                    return  # one failed: both iterations are re-executed; the held update keeps its copy
-                self._check_held(self.step)  # the previous iteration's update, from the first window on
+                if not self._carried_due():
+                    self._check_held(self.step)  # the previous iteration's update, once its carried checks ran
                 # fingerprints taken later next: they hold outputs alive (and P-DMR comparisons wait on them)
                 self._settle(lambda: not closed.is_set())
                 for tape in tapes:  # planned for this window: they all run
@@ -1202,6 +1205,11 @@ class DMREngine:
                         break
                     self._check(d, kind)
                     ran.append(d)
+                # the previous iteration's carried checks, in the time left (the rest in later windows or the drain)
+                if self._check_carried(more=lambda: not closed.is_set()):
+                    return  # one failed: both iterations are re-executed; the held update keeps its copy
+                if not self._carried_due():
+                    self._check_held(self.step)
                 self.dynamic.at_dynamic_window(lambda: not closed.is_set(), wid)
 
         worker = threading.Thread(target=work, daemon=True)
