@@ -49,7 +49,11 @@ def test_two_expert_ranks_match_one_process(clean_ep):
 def test_dmr_defers_into_expert_windows_and_rolls_back_bitwise(tmp_path, clean_ep, phase):
     got = run_dist(tmp_path, "dmr", 2, f"dmr:0:2:{phase}", *EP, "--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true")
     assert got[0]["fired"] and got[0]["dmr"]["detected"] >= 1
-    assert [s["attempts"] for s in got[1]["steps"]] == [2, 1, 2, 1]  # (step 0: profiled, then planned)
+    # (step 0: profiled, then planned.) Step 2 retried; or, where the op's check was carried past step 2's update
+    # (no window after it), step 3 rewinds: step 2 re-executed (recorded once more), then step 3. A rewind restores
+    # on each rank only what step 2's update wrote (an expert no token reached is not in it): restoring every held
+    # copy once left the experts of the rank whose update check had passed at an older value
+    assert [s["attempts"] for s in got[1]["steps"]] in ([2, 1, 2, 1], [2, 1, 1, 1, 2])
     assert all(r["dmr_coverage"] == 1.0 for r in got)
     assert any(k.startswith(("checked-in-ep", "checked-in-dynamic")) for r in got for k in r["dmr_counts"])
     assert_bitwise(got, clean_ep)

@@ -232,6 +232,7 @@ class DMREngine:
         self._repair: list[tuple[dict, dict]] = []  # (verified result, live state) to write back
         self._held_fatal: str | None = None
         self._pre_start: int | None = None  # the step at whose start the state was what ``_pre`` holds
+        self._spare_step: dict[int, int] = {}  # per tensor: the step whose update's check moved its copy to ``_spare``
         self._spare_start: int | None = None  # the same for ``_spare``
         # checks carried into the next iteration (``carry_last``): the iteration that queued them, and whether one
         # of them failed (the update of that iteration read wrong gradients: both iterations are re-executed)
@@ -932,6 +933,7 @@ class DMREngine:
             for n in h.written:
                 for t, c, p in zip(live[n], chk[n], pre[n]):
                     self._pre[id(t)], self._spare[id(t)] = (t, c), p
+                    self._spare_step[id(t)] = h.step
             self._pre_start, self._spare_start = h.step + 1, h.step
             return
         self._run_update(h, pre)  # the tie-breaker, from the same copy (the copy is the state after it now)
@@ -956,17 +958,14 @@ class DMREngine:
     # copy, the rest from its own record) and re-executes both iterations. A step after which the trainer
     # reads the state (evaluation, checkpoint, the end of the run) carries nothing.
     def _carrying(self) -> bool:
-        # (not on the expert-parallel strategy: there a rewind does not yet end bitwise equal to the fault-free
-        # run, so its last checks are not carried)
-        return (self.carry_ok and self.cfg.carry_last and getattr(self._trainer.strategy, "name", "") != "expert"
+        return (self.carry_ok and self.cfg.carry_last
                 and self._lazy_ok() and self.cfg.system == "sparetrain" and self.cfg.hold_update
                 and self.cfg.fingerprints and self.cfg.compare == "bitwise"
                 and self._hold_expected())
 
     def _carry_sync(self) -> bool:
         """Whether this step may carry checks on some rank (no per-rank quantity enters it: every rank agrees)."""
-        return (self.carry_ok and self.cfg.carry_last and getattr(self._trainer.strategy, "name", "") != "expert"
-                and self._lazy_ok() and self.cfg.system == "sparetrain")
+        return self.carry_ok and self.cfg.carry_last and self._lazy_ok() and self.cfg.system == "sparetrain"
 
     def _hold_expected(self) -> bool:
         """Whether this iteration's update will be held (``_can_hold``), judged before it runs."""
@@ -1019,11 +1018,15 @@ class DMREngine:
         keys = list(self._pre)
         if self._pre_start == step:
             src = [self._pre[k][1] for k in keys]
-        elif self._spare_start == step and all(k in self._spare for k in keys):
+        elif self._spare_start == step:
+            # only the tensors that update wrote (an expert no token reached has no gradient and is not in it: its
+            # copy before the update is ``_pre``, its ``_spare`` is older)
+            keys = [k for k in keys if self._spare_step.get(k) == step]
             src = [self._spare[k] for k in keys]
             for k in keys:  # the copy from the start of ``step`` is the verified state before its update again
                 t, c = self._pre[k]
                 self._pre[k], self._spare[k] = (t, self._spare[k]), c
+                self._spare_step.pop(k, None)
             self._pre_start, self._spare_start = step, None
         else:
             raise RuntimeError(f"dmr: the state at the start of step {step} is no longer kept (two faults at once: a "
@@ -1050,6 +1053,7 @@ class DMREngine:
         if event == "write":
             self._pre.clear()
             self._spare.clear()
+            self._spare_step.clear()
             self._pre_start = self._spare_start = None
 
     def settle(self) -> None:
