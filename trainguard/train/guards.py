@@ -112,6 +112,7 @@ class StepGuard:
 
     name: str = "guard"
     inspects_update: bool = False
+    may_rewind: bool = False  # asks for rewinds (Verdict.rewind): the trainer then records each step's start
 
     def on_step_start(self, ctx: StepContext) -> None:
         """Called before every attempt of a step (reset per-attempt counters here)."""

@@ -113,3 +113,30 @@ def restore(snap: StepSnapshot, model: nn.Module, optimizer: torch.optim.Optimiz
     if scheduler is not None and snap.scheduler is not None:
         scheduler.load_state_dict(copy.deepcopy(snap.scheduler))
     set_rng_state(snap.rng)
+
+
+def capture_counters(optimizer: torch.optim.Optimizer, scheduler=None) -> dict[str, Any]:
+    """What a rewind restores besides the parameters and the optimizer's tensor state (which the guard that asks
+    for it keeps): the scheduler, the optimizer's hyper-parameters, its scalar state (step counters) and which
+    parameters have state at all. Small: taken at every step's start when some guard may rewind."""
+    scalars = {(gi, pi, k): v.detach().clone() for gi, g in enumerate(optimizer.param_groups)
+               for pi, p in enumerate(g["params"]) for k, v in optimizer.state.get(p, {}).items()
+               if torch.is_tensor(v) and v.numel() <= 1}
+    has_state = {(gi, pi) for gi, g in enumerate(optimizer.param_groups) for pi, p in enumerate(g["params"])
+                 if optimizer.state.get(p)}
+    groups = [{k: _clone(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    sched = _clone(scheduler.state_dict()) if scheduler is not None else None
+    return {"scalars": scalars, "has_state": has_state, "groups": groups, "scheduler": sched}
+
+
+def restore_counters(saved: dict[str, Any], optimizer: torch.optim.Optimizer, scheduler=None) -> None:
+    for gi, (g, hyper) in enumerate(zip(optimizer.param_groups, saved["groups"])):
+        g.update({k: _clone(v) for k, v in hyper.items()})
+        for pi, p in enumerate(g["params"]):
+            if (gi, pi) not in saved["has_state"]:
+                optimizer.state.pop(p, None)  # created by the update being undone
+    with torch.no_grad():
+        for (gi, pi, k), v in saved["scalars"].items():
+            optimizer.state[optimizer.param_groups[gi]["params"][pi]][k].copy_(v)
+    if saved["scheduler"] is not None:
+        scheduler.load_state_dict(_clone(saved["scheduler"]))

@@ -287,7 +287,8 @@ class Trainer:
         t0 = time.perf_counter()
         guarded = bool(self.guards)
         start = StepStart.capture(step, self.state) if guarded else None
-        light = self._light_capture() if guarded else None
+        rewinds = any(g.may_rewind for g in self.guards)
+        light = snap_mod.capture_counters(self.optimizer, self.scheduler) if rewinds else None
         inspects_update = any(g.inspects_update for g in self.guards)
         retries: list[dict[str, Any]] = []
         previous: set[tuple[int, str]] = set()
@@ -312,7 +313,7 @@ class Trainer:
                     step, lr = plan.step, self.optimizer.param_groups[0]["lr"]
                     ctx = StepContext(self, step, attempt)
                     start = StepStart.capture(step, self.state) if guarded else None
-                    light = self._light_capture() if guarded else None
+                    light = snap_mod.capture_counters(self.optimizer, self.scheduler) if rewinds else None
                 self._stage("plan", step)
                 try:
                     loss = self.strategy.forward_backward(self, plan)
@@ -361,10 +362,10 @@ class Trainer:
                 retries[-1]["rewound_to"] = step - 1
                 self._redo_previous(ctx, step)
                 start = StepStart.capture(step, self.state)
-                light = self._light_capture()
+                light = snap_mod.capture_counters(self.optimizer, self.scheduler)
             attempt += 1
         self.step_idx = step + 1
-        if guarded:
+        if rewinds:
             self._prev = (step, start, light)
         global_loss = self.strategy.global_loss(self, loss)
         result = StepResult(step, global_loss, grad_norm, lr, self.tokens_per_step, time.perf_counter() - t0,
@@ -390,32 +391,6 @@ class Trainer:
                     or (cfg.train.eval_every and nxt % cfg.train.eval_every == 0)
                     or (self.ckpt is not None and cfg.checkpoint.every and nxt % cfg.checkpoint.every == 0))
 
-    def _light_capture(self) -> dict[str, Any]:
-        """What a rewind restores besides what guards keep: the scheduler, the optimizer's hyper-parameters and its
-        scalar state (step counters); small, so taken at every guarded step's start."""
-        opt = self.optimizer
-        scalars = {(gi, pi, k): v.detach().clone() for gi, g in enumerate(opt.param_groups)
-                   for pi, p in enumerate(g["params"]) for k, v in opt.state.get(p, {}).items()
-                   if torch.is_tensor(v) and v.numel() <= 1}
-        has_state = {(gi, pi) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])
-                     if opt.state.get(p)}
-        groups = [{k: snap_mod._clone(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        sched = snap_mod._clone(self.scheduler.state_dict()) if self.scheduler is not None else None
-        return {"scalars": scalars, "has_state": has_state, "groups": groups, "scheduler": sched}
-
-    def _light_restore(self, light: dict[str, Any]) -> None:
-        opt = self.optimizer
-        for gi, (g, saved) in enumerate(zip(opt.param_groups, light["groups"])):
-            g.update({k: snap_mod._clone(v) for k, v in saved.items()})
-            for pi, p in enumerate(g["params"]):
-                if (gi, pi) not in light["has_state"]:
-                    opt.state.pop(p, None)  # created by the update being undone
-        with torch.no_grad():
-            for (gi, pi, k), v in light["scalars"].items():
-                opt.state[opt.param_groups[gi]["params"][pi]][k].copy_(v)
-        if light["scheduler"] is not None:
-            self.scheduler.load_state_dict(snap_mod._clone(light["scheduler"]))
-
     def _redo_previous(self, ctx: StepContext, step: int) -> StepResult:
         """Back to the start of ``step - 1`` (guards restore parameters and optimizer tensors, the trainer the
         rest) and re-execute it, checked in full before its commit; the caller then re-executes ``step``."""
@@ -427,7 +402,7 @@ class Trainer:
             fn = getattr(g, "on_rewind", None)
             if fn is not None:
                 fn(ctx, k)
-        self._light_restore(light)
+        snap_mod.restore_counters(light, self.optimizer, self.scheduler)
         start.restore(self.state)
         self.step_idx = k
         self._redoing = True

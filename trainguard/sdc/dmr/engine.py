@@ -958,10 +958,8 @@ class DMREngine:
     # copy, the rest from its own record) and re-executes both iterations. A step after which the trainer
     # reads the state (evaluation, checkpoint, the end of the run) carries nothing.
     def _carrying(self) -> bool:
-        return (self.carry_ok and self.cfg.carry_last
-                and self._lazy_ok() and self.cfg.system == "sparetrain" and self.cfg.hold_update
-                and self.cfg.fingerprints and self.cfg.compare == "bitwise"
-                and self._hold_expected())
+        return (self._carry_sync() and self.cfg.hold_update and self.cfg.fingerprints
+                and self.cfg.compare == "bitwise" and self._hold_expected())
 
     def _carry_sync(self) -> bool:
         """Whether this step may carry checks on some rank (no per-rank quantity enters it: every rank agrees)."""
@@ -1420,6 +1418,7 @@ class DMRGuard(StepGuard):
 
     name = "dmr"
     inspects_update = False
+    may_rewind = True  # checks carried past an update (carry_last)
 
     def __init__(self, engine: DMREngine):
         self.engine = engine
