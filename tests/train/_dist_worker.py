@@ -38,7 +38,8 @@ steps: list[dict] = []
 
 class Log:
     def on_step_end(self, t, r):
-        steps.append({"step": r.step, "loss": r.loss, "attempts": r.attempts})
+        steps.append({"step": r.step, "loss": r.loss, "attempts": r.attempts,
+                      "retries": [(x.get("site"), bool(x.get("rewind"))) for x in r.retries]})
 
 
 class RetryOnRank(StepGuard):

@@ -178,6 +178,23 @@ def test_dmr_a_fault_in_the_last_micro_batch_backward_is_found_after_the_update_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("occurrence", [200, 280])
+def test_dmr_a_wrong_recompute_in_the_last_micro_batch_is_compared_after_the_update_and_both_steps_re_executed(
+        tmp_path, clean_pp2, occurrence):
+    """The P-DMR comparisons of stage 0's last micro-batch (its recompute, ops ~155-306 of the step's ~306) and
+    the fingerprints they wait for are carried into the next iteration's windows with the carried checks. The
+    bit flip in step 2's recompute is found there (a forward op's comparison, judged after the update): both
+    stages rewind to the start of step 2 and re-execute steps 2 and 3, bitwise equal to the fault-free run."""
+    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true"]
+    got = run_dist(tmp_path, "fifo", 2, f"dmrocc:0:2:recompute:{occurrence}", *PP, *dmr)
+    assert got[0]["fired"] and got[0]["dmr"]["detected"] == 1
+    assert all([s["attempts"] for s in r["steps"]] == [2, 1, 1, 1, 2] for r in got)
+    (site, rewind), = got[0]["steps"][-1]["retries"]
+    assert rewind and site.startswith("forward:")  # the forward op whose recompute differed
+    assert_bitwise(got, clean_pp2)
+
+
+@pytest.mark.slow
 def test_dmr_a_fault_in_the_last_steps_carried_checks_is_judged_by_every_stage_when_the_state_is_read(
         tmp_path, clean_pp2):
     """Steps run by ``train_step()`` (as a benchmark or a campaign does): the last step carries its checks, and

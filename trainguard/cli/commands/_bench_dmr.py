@@ -28,6 +28,9 @@ def register_bench(subparsers) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per round and system (default 2)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--switch-warmup", type=int, default=1,
+                   help="untimed steps after each switch of system (default 1: a switch drops the engine's copies "
+                        "of the state, which a run makes once)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
     p.add_argument("--memory-budget-mb", type=float, default=0.0,
                    help="memory the deferred checks may hold per rank ([sdc.dmr] memory_budget_mb; 0: its default)")
@@ -44,6 +47,8 @@ def _spec(args) -> dict:
         raise ConfigError(f"--idle-fraction must be in [0, 0.95), got {args.idle_fraction}")
     if args.pp < 1 or args.rounds < 1 or args.steps < 1 or args.warmup < 1:
         raise ConfigError("--pp, --rounds, --steps and --warmup must be >= 1")
+    if args.switch_warmup < 0:
+        raise ConfigError(f"--switch-warmup must be >= 0, got {args.switch_warmup}")
     if not args.memory_budget_mb >= 0:
         raise ConfigError(f"--memory-budget-mb must be >= 0, got {args.memory_budget_mb}")
     overrides = ["--model.preset", args.model, "--data.seq_len", str(args.seq_len), "--data.batch_size", str(args.batch),
@@ -53,7 +58,8 @@ def _spec(args) -> dict:
     if args.pp > 1:
         overrides += ["--distributed.pp", str(args.pp), "--distributed.microbatches", str(args.microbatches)]
     return {"overrides": overrides, "systems": systems, "idle_fraction": args.idle_fraction, "rounds": args.rounds,
-            "steps": args.steps, "warmup": args.warmup, "memory_budget_mb": args.memory_budget_mb}
+            "steps": args.steps, "warmup": args.warmup, "switch_warmup": args.switch_warmup,
+            "memory_budget_mb": args.memory_budget_mb}
 
 
 def run(args) -> int:

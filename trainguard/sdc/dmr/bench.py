@@ -2,7 +2,11 @@
 side by side.
 
 Every system runs on the same model, batches and pipeline, in alternating rounds (the order rotates each
-round), after a warm-up; throughput is tokens over the median step time of each system. No-DMR runs with
+round), after a warm-up; throughput is tokens over the median step time of each system. The first step
+after each switch of system is not timed (``switch_warmup``): a switch drops the DMR engine's copies of
+the state, which the held update then makes again, once a run in training, once a round here. Each
+system's ``main_cpu_s`` is the main thread's CPU time per step (median): the engine's work on the
+critical path, less noisy than wall time. No-DMR runs with
 no dispatch mode at all (plain activation checkpointing with early stop); Naive-Only re-executes every op
 at once; SpareTrain verifies the activation-checkpointed ops on their recompute (P-DMR) and defers the
 others into pipeline transfer windows as planned from a profile of the run. Ablation: ``sparetrain-p1``
@@ -70,9 +74,11 @@ def _timed_steps(trainer, n: int, engine=None, where: dict | None = None) -> tup
     w0 = getattr(sched, "wait_s", 0.0)
     times = []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         trainer.train_step()
         times.append(time.perf_counter() - t0)
+        if where is not None:  # the main thread's own CPU time: what the engine adds to the critical path
+            where.setdefault("main_cpu_s", []).append(time.thread_time() - c0)
         if engine is not None and where is not None:
             where.setdefault("overrun_s", []).append(sum(w[2] for w in engine.window_log))
             where.setdefault("drain_s", []).append(engine.drain_s)
@@ -125,6 +131,10 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for s in order:
             _set_system(engine, trainer, s, plans)
+            for _ in range(spec.get("switch_warmup", 1)):
+                # untimed: a switch drops the engine's copies of the state (the held update copies it again at
+                # its first step, which a training run does once, not once per round)
+                trainer.train_step()
             t, idle = _timed_steps(trainer, steps, engine, per[s]["where"])
             per[s]["times"] += t
             per[s]["idle"].append(idle)
@@ -140,7 +150,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         "emulated_link": delay > 0, "tokens_per_step": tokens,
         "systems": {s: {"tokens_per_s": tokens / statistics.median(v["times"]), "step_s": statistics.median(v["times"]),
                         "idle_fraction": statistics.median(v["idle"]), "peak_rss_bytes": max(v["rss"]),
-                        **{f"checker_{k}": statistics.median(x) for k, x in v["where"].items()}}
+                        **{(k if k == "main_cpu_s" else f"checker_{k}"): statistics.median(x)
+                           for k, x in v["where"].items()}}
                     for s, v in per.items()},
         "coverage": coverage["coverage"], "compute_ops": coverage["compute_ops"], "by_strategy": coverage["by_strategy"],
         "detected": engine.totals["detected"] - 0,

@@ -237,8 +237,12 @@ class DMREngine:
         # checks carried into the next iteration (``carry_last``): the iteration that queued them, and whether one
         # of them failed (the update of that iteration read wrong gradients: both iterations are re-executed)
         self._carried: list[Deferred] = []
+        # and the fingerprints still to be taken at the end of it, with the P-DMR comparisons waiting for them (the
+        # last micro-batch's outputs): taken in the next iteration's windows too; a comparison that differs rewinds
+        self._carried_fifo: deque[_Later | tuple] = deque()
         self._pre_by_storage: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._carried_step = -1
+        self._hold_memo: tuple[int, bool] = (-1, False)
         self.carried_bytes = 0
         self.carry_ok = False  # set by the trainer, per step: no state read follows this step's update
         # the step after whose update checks may have been carried on some rank, until every rank has judged them
@@ -344,6 +348,11 @@ class DMREngine:
         self._later_fifo: deque[_Later | tuple] = deque()
         self._later_by_storage: dict[int, list[_Later]] = {}
         self.later_bytes = 0
+        for lz in getattr(self, "_carried_fifo", ()):  # (those carried from the previous iteration stay registered)
+            if isinstance(lz, _Later) and lz.value is not None:
+                self.later_bytes += lz.nbytes
+                for t in dops.tensors(lz.value):
+                    self._later_by_storage.setdefault(_storage_key(t), []).append(lz)
         # inputs queued checks keep by reference, by storage: copied before a collective is handed them (those of
         # checks carried from the previous iteration stay registered: the next transfer may reuse their buffer)
         carried = {id(d.held) for d in getattr(self, "_carried", ()) if d.held is not None}
@@ -450,10 +459,19 @@ class DMREngine:
             # a checker execution (drain runs inside the mode), or a fault injector writing its fault from a
             # hook (its reads and writes are the fault, not ops of the step): run as is
             return func(*args, **kwargs)
+        inf = dops.info(func)
+        if inf.kind == "view" and not inf.written and not self._profiling and not self.cfg.coverage:
+            # the hot path (most dispatched ops are views): nothing to check, record or settle. A view's output
+            # needs no entry in ``_produced`` where autograd tracks its ``_base`` (see _produced_here)
+            self.counts["view"] += 1
+            out = func(*args, **kwargs)
+            if self.deferrable and not _tracks_base(func):
+                for t in dops.tensors(out):
+                    self._produced[id(t)] = t
+            return out
         # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
         # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
         if self._later_by_storage or self._kept_by_storage:
-            inf = dops.info(func)
             if inf.written or inf.kind == "comm":
                 self._settle_written(func, args, kwargs, every=inf.kind == "comm")
         before = getattr(_INJECTOR_FLAG, "active", False)
@@ -568,7 +586,8 @@ class DMREngine:
         if strategy == "naive" and op_id in a.ops:  # could not be taped (in place or random): others read it as boundary
             self._tape(a).seen.add(op_id)
             return
-        self._tape(a).record(op_id, func, args, kwargs, out, self._fp, self._is_param, self._produced_here)
+        # (the primary's fingerprints taken later, off the main thread, like the deferred checks' ones)
+        self._tape(a).record(op_id, func, args, kwargs, out, self._fp_later, self._is_param, self._produced_here)
 
     def _tape_alias(self, op_id: str, twin: str, out) -> None:
         a = self._agc_of.get(twin)
@@ -577,7 +596,7 @@ class DMREngine:
         tape = self._tape(a)
         e = tape.entry_of(twin)
         if e is not None:
-            tape.alias(op_id, e.out_slots, out, self._fp)
+            tape.alias(op_id, e.out_slots, out, self._fp_later)
 
     def _replay(self, tape: Tape, where: str) -> None:
         try:
@@ -656,13 +675,13 @@ class DMREngine:
                 # to the live tensors after it (a corrupted input would otherwise win the vote)
                 ins = {id(t): self._copy((i, "input", t.shape, t.dtype), t) for i, t in
                        enumerate(t for t in dops.tensors((args, kwargs)) if id(t) not in copies and t.dim() > 0)}
-                keep_in = lambda v: ins.get(id(v), v) if isinstance(v, torch.Tensor) else v
-                third_args, third_kwargs = tree_map(keep_in, args), tree_map(keep_in, kwargs)
+                keep_in = lambda v: ins.get(id(v), v)
+                third_args, third_kwargs = dops.map_tensors(keep_in, args), dops.map_tensors(keep_in, kwargs)
                 copies.update(ins)
-            else:
-                copies = {id(t): t.clone() for t in written}
-            remap = lambda v: copies.get(id(v), v) if isinstance(v, torch.Tensor) else v
-            checker_args, checker_kwargs = tree_map(remap, args), tree_map(remap, kwargs)
+            else:  # (persistent workspaces too: no allocation per op; nothing keeps the copy past this call)
+                copies = {id(t): self._copy((i, "naive", t.shape, t.dtype), t) for i, t in enumerate(written)}
+            remap = lambda v: copies.get(id(v), v)
+            checker_args, checker_kwargs = dops.map_tensors(remap, args), dops.map_tensors(remap, kwargs)
         rng = _RNG(func, args, kwargs)
         out = _primary(func, args, kwargs)
         rng.rewind()  # the checker draws the same random numbers
@@ -672,7 +691,10 @@ class DMREngine:
         else:
             out2 = func(*args, **kwargs)
         rng.forward()  # and the run continues from the state after the primary
-        same = self._same(func, out, out2) and (not written or self._same(func, written, checked))
+        if written and out is written[0] and len(written) == 1:  # in place, returning what it wrote: one comparison
+            same = self._same(func, written, checked)
+        else:
+            same = self._same(func, out, out2) and (not written or self._same(func, written, checked))
         if same:
             return out
         if repair and written:  # update stage: restore this op's writes and run it once more (the tie-breaker)
@@ -785,7 +807,7 @@ class DMREngine:
             e, g = self._resolve(expect), self._resolve(got)
             if e is not None and g is not None and not self._agree(name, e, g):
                 self._mismatch(op_id, name, "forward", "p-dmr", "forward and recompute differ")
-        if not self._later_fifo:
+        if not self._later_fifo and not self._carried_fifo:
             self._later_by_storage.clear()
 
     def _agree(self, name: str, expect: dops.Fingerprint, got: dops.Fingerprint) -> bool:
@@ -966,7 +988,13 @@ class DMREngine:
         return self.carry_ok and self.cfg.carry_last and self._lazy_ok() and self.cfg.system == "sparetrain"
 
     def _hold_expected(self) -> bool:
-        """Whether this iteration's update will be held (``_can_hold``), judged before it runs."""
+        """Whether this iteration's update will be held (``_can_hold``), judged before it runs (once a step: every
+        backward op asks)."""
+        if self._hold_memo[0] != self.step:
+            self._hold_memo = (self.step, self._judge_hold())
+        return self._hold_memo[1]
+
+    def _judge_hold(self) -> bool:
         opt = getattr(self._trainer, "optimizer", None)
         if opt is None or not all(g.get("fused") for g in opt.param_groups) or \
                 type(opt).__name__ not in ("Adam", "AdamW"):
@@ -975,7 +1003,7 @@ class DMREngine:
         return not self.budget_bytes or 2 * 3 * n <= self.budget_bytes // 2
 
     def _carried_due(self) -> bool:
-        return bool(self._carried) and self._carried_step < self.step
+        return bool(self._carried or self._carried_fifo) and self._carried_step < self.step
 
     def _before_update(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as it was before the held update: a parameter, or a view of one (a transposed weight), taken from
@@ -994,7 +1022,20 @@ class DMREngine:
     def _check_carried(self, every: bool = False, more: Callable[[], bool] = lambda: True) -> bool:
         """Run the carried checks that are due (``every``: also this iteration's) while ``more()`` (a window still
         open) says so; True if one differed."""
-        if not self._carried or not (every or self._carried_due()):
+        if not (self._carried or self._carried_fifo) or not (every or self._carried_due()):
+            return self._rewind
+        while self._carried_fifo and more() and not self._rewind:  # fingerprints first: they hold outputs alive
+            item = self._carried_fifo.popleft()
+            if isinstance(item, _Later):
+                self._resolve(item)
+                continue
+            op_id, name, expect, got = item
+            e, g = self._resolve(expect), self._resolve(got)
+            if e is not None and g is not None and not self._agree(name, e, g):
+                self._mismatch(op_id, name, "forward", "carried", "forward and recompute differ (compared after "
+                               "the update)")
+                self._rewind = True
+        if self._rewind or self._carried_fifo:
             return self._rewind
         self._pre_by_storage = {p.untyped_storage().data_ptr(): (p, c) for p, c in self._pre.values()}
         done = 0
@@ -1032,6 +1073,7 @@ class DMREngine:
         with torch.no_grad():
             torch._foreach_copy_([self._pre[k][0] for k in keys], src)
         self._held, self._repair, self._carried = [], [], []
+        self._carried_fifo.clear()
         self.carried_bytes, self._rewind = 0, False
         self.mismatches = []
 
@@ -1058,7 +1100,8 @@ class DMREngine:
         """Check the held updates now, on this thread, and write back a repair: before anything reads the state
         from outside the training loop (a checkpoint, an evaluation, a comparison, the end of the run)."""
         sync = self._carry_sync_step is not None and self._world > 1
-        if not self._held and not self._repair and self._held_fatal is None and not self._carried and not sync:
+        if not self._held and not self._repair and self._held_fatal is None and not self._carried and \
+                not self._carried_fifo and not sync:
             return
         _CHECKING.active = True
         try:
@@ -1090,8 +1133,8 @@ class DMREngine:
 
     # ---- deferred checks (D-DMR, AGC, dynamic) -----------------------------------------------------
     def _defer(self, op_id, phase, strategy, window, func, args, kwargs) -> Any:
-        written = dops.written_args(func, args, kwargs)
-        if written or dops.info(func).random:
+        inf = dops.info(func)
+        if inf.random or (inf.written and dops.written_args(func, args, kwargs)):
             # in-place and random ops are checked at once (their inputs or generator change right after)
             self.counts["naive-fallback"] += 1
             return self._naive(op_id, phase, func, args, kwargs)
@@ -1099,13 +1142,28 @@ class DMREngine:
         # with their version counters: one changed in place before the check cannot be checked any more, which
         # the check reports instead of passing. Inputs from outside the attempt (a pipeline receive buffer,
         # which the next micro-batch overwrites without a version bump) are cloned; parameters are neither
-        # (only the optimizer changes them, after every check has run).
-        kept = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and not self._is_param(t)
-                        and not self._produced_here(t) else t, (args, kwargs))
-        ins = dops.tensors(kept)
+        # (only the optimizer changes them, after every check has run). One pass over the inputs, each
+        # storage looked up once: this runs for every deferred op on the main thread.
+        ins: list[torch.Tensor] = []
+        by_ref: list[tuple[int, torch.Tensor]] = []  # (storage, tensor) kept by reference
+        clones: dict[int, torch.Tensor] | None = None
+        nbytes = 0
+        for t in dops.tensors((args, kwargs)):
+            key = _storage_key(t)
+            if key not in self._param_storages:
+                if self._produced_here(t):
+                    by_ref.append((key, t))
+                else:
+                    clones = clones if clones is not None else {}
+                    c = clones.get(id(t))
+                    if c is None:
+                        c = clones[id(t)] = t.clone()
+                    t = c
+                nbytes += t.numel() * t.element_size()
+            ins.append(t)
+        kept = (args, kwargs) if clones is None else dops.map_tensors(lambda v: clones.get(id(v), v), (args, kwargs))
         versions = [t._version for t in ins]
         held = {"args": kept, "ins": ins, "versions": versions}
-        nbytes = sum(t.numel() * t.element_size() for t in ins if not self._is_param(t))
         if strategy != "dynamic" and self.budget_bytes and \
                 self.queued_bytes + self.carried_bytes + nbytes > self.budget_bytes:
             self.counts["naive-fallback"] += 1
@@ -1131,9 +1189,8 @@ class DMREngine:
         # (a receive reusing the buffer): it is copied first (see _settle_written), so the check reads the value
         # the primary read, never a buffer being written by a transfer while the worker runs.
         if self.deferrable:
-            for t in ins:
-                if not self._is_param(t):
-                    self._kept_by_storage.setdefault(_storage_key(t), []).append((held, weakref.ref(t)))
+            for key, t in by_ref:
+                self._kept_by_storage.setdefault(key, []).append((held, weakref.ref(t)))
 
         # the output's fingerprint, or (``fingerprints = false``) a copy of it, counted against the budget
         expect = self._fp_later(out) if self.cfg.fingerprints else tree_map(
@@ -1275,6 +1332,10 @@ class DMREngine:
                     self._carried_step = self.step
                     self.carried_bytes += sum(d.nbytes for d in carry)
                     self.counts["carried"] += len(carry)
+                    # and the fingerprints still to be taken (the last micro-batch's outputs, the P-DMR comparisons)
+                    self._carried_fifo.extend(self._later_fifo)
+                    self._later_fifo.clear()
+                    self.counts["fingerprints-carried"] += len(self._carried_fifo)
                 self._check_held(self.step)  # (not this iteration's own update: the next one checks it)
                 self._settle()
                 for d in todo:
@@ -1361,6 +1422,19 @@ class DMREngine:
         return {"ops": [{"op": c[0], "name": c[1], "phase": c[2], "strategy": c[3], "window": c[4]} for c in self.coverage],
                 "compute_ops": len(compute), "verified_ops": len(verified) - unchecked, "stale": unchecked,
                 "coverage": ((len(verified) - unchecked) / len(compute)) if compute else 1.0, "by_strategy": dict(by)}
+
+
+_TRACKS_BASE: dict[Any, bool] = {}
+
+
+def _tracks_base(func) -> bool:
+    """Autograd sets ``_base`` on this view op's outputs (``detach`` and the view-like ops classify() adds do
+    not: their outputs are registered as produced tensors of their own)."""
+    got = _TRACKS_BASE.get(func)
+    if got is None:
+        got = _TRACKS_BASE[func] = bool(getattr(func, "is_view", False)) and str(func) not in (
+            "aten.detach.default", "aten.alias.default", "aten.lift_fresh.default")
+    return got
 
 
 def _primary(func, args, kwargs):
@@ -1451,6 +1525,7 @@ class DMRGuard(StepGuard):
         eng._held = [h for h in eng._held if h.step != ctx.step]
         if eng._carried_step == ctx.step:
             eng._carried, eng.carried_bytes = [], 0
+            eng._carried_fifo.clear()
 
     def on_rewind(self, ctx, step: int) -> None:
         self.engine.restore_before_update(step)
