@@ -332,7 +332,9 @@ class DMREngine:
         self.window_log: list[tuple[str, float, float]] = []  # (window, wait s, overrun s) of this attempt
         self.drain_s = 0.0  # time the end-of-iteration drain ran checkers on the main thread
         self._const: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> tensor
-        self._produced: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # outputs of this attempt
+        # outputs of this attempt: id -> plain weak reference (no callback: a WeakValueDictionary's cost per entry,
+        # paid by every op of the step, was 50 ms a step); an id reused by a new tensor fails the identity test
+        self._produced: dict[int, weakref.ref] = {}
         self._seq_owner: dict[int, tuple[str, str, bool, int]] = {}  # autograd seq -> (op id, block, dynamic, micro)
         self._last_seq = -1
         self._micro = -1
@@ -467,7 +469,7 @@ class DMREngine:
             out = func(*args, **kwargs)
             if self.deferrable and not _tracks_base(func):
                 for t in dops.tensors(out):
-                    self._produced[id(t)] = t
+                    self._produced[id(t)] = weakref.ref(t)
             return out
         # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
         # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
@@ -482,7 +484,7 @@ class DMREngine:
             _INJECTOR_FLAG.active = before
         if self.deferrable:
             for t in dops.tensors(out):
-                self._produced[id(t)] = t
+                self._produced[id(t)] = weakref.ref(t)
         return out
 
     def _dispatch(self, func, args: tuple, kwargs: dict) -> Any:
@@ -840,11 +842,11 @@ class DMREngine:
         names = [a.name for a in schema]
         bound = {n: (args[i] if i < len(args) else kwargs.get(n)) for i, n in enumerate(names)}
         lists = [n for n in names if isinstance(bound.get(n), (list, tuple)) and len(bound[n])]
+        if self._can_hold(func, bound, lists):
+            return self._held_optimizer(op_id, func, bound, lists)
         sliced = [n for n in lists if all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.is_contiguous()
                                           and t.numel() == bound[lists[0]][i].numel() for i, t in enumerate(bound[n]))]
         params = bound[lists[0]]
-        if self._can_hold(func, bound, lists):
-            return self._held_optimizer(op_id, func, bound, lists)
         if dops.info(func).name in _FUSED_OPTIMIZERS:  # updated here, not held: copies of its state are stale now
             for n in lists:
                 for t in bound[n]:
@@ -1207,7 +1209,8 @@ class DMREngine:
 
     def _produced_here(self, t: torch.Tensor) -> bool:
         base = t._base if t._base is not None else t
-        return self._produced.get(id(base)) is base
+        ref = self._produced.get(id(base))
+        return ref is not None and ref() is base
 
     def _is_param(self, t: torch.Tensor) -> bool:
         try:
