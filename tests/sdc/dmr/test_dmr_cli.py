@@ -90,3 +90,12 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, profile_path, argv, msg)
 def test_model_without_the_profiler_is_refused(capsys):
     rc, out, err = _run(capsys, "--model", "llama-tiny", "--out", "", "--figure", "")
     assert rc == 2 and "pass --profile" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, msg", [(["--switch-warmup", "-1"], "--switch-warmup must be >= 0"),
+                                       (["--idle-fraction", "0.99"], "--idle-fraction must be in"),
+                                       (["--systems", "fast"], "--systems: unknown fast")])
+def test_bench_dmr_bad_input_is_one_line_exit_2(capsys, argv, msg):
+    assert main(["bench", "dmr", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and msg in err

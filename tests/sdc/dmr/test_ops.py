@@ -16,7 +16,7 @@ def _flip(t: torch.Tensor, index: int, bit: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
-@pytest.mark.parametrize("n", [1, 3, 7, 8, 1001, 4096])
+@pytest.mark.parametrize("n", [1, 3, 7, 8, 1001, 4096, 20000])  # (20000: above the element-wise size, word sums)
 def test_every_single_bit_flip_changes_the_checksums(dtype, n):
     g = torch.Generator().manual_seed(n)
     t = (torch.randn(n, generator=g) * 100).to(dtype)
@@ -62,3 +62,13 @@ def test_the_checksums_do_not_depend_on_the_thread_count():
         assert torch.equal(one, dops.Fingerprint.of(t).sums)
     finally:
         torch.set_num_threads(old)
+
+
+def test_map_tensors_replaces_tensors_in_op_arguments_and_keeps_everything_else():
+    a, b = torch.zeros(2), torch.ones(3)
+    args = (a, [b, 2.0, (a, None)], {"out": b, "alpha": 3}, torch.Size([2]), "x")
+    got = dops.map_tensors(lambda t: t + 1, args)
+    assert isinstance(got, tuple) and isinstance(got[1], list) and isinstance(got[1][2], tuple)
+    assert torch.equal(got[0], a + 1) and torch.equal(got[1][0], b + 1) and torch.equal(got[1][2][0], a + 1)
+    assert got[1][1] == 2.0 and got[1][2][1] is None and got[2]["alpha"] == 3 and torch.equal(got[2]["out"], b + 1)
+    assert got[3] == torch.Size([2]) and got[4] == "x"
