@@ -1328,7 +1328,9 @@ class DMREngine:
                     return  # both iterations are re-executed: nothing else of this one needs checking
                 if self._carry_sync():
                     self._carry_sync_step = self.step
-                if carry:  # checked in the next iteration (their fingerprints are taken below, before the update)
+                # checked in the next iteration: the checks no window followed, and the fingerprints still to be taken
+                # with the P-DMR comparisons waiting for them (whether or not the plan left backward ops naive)
+                if carry or (self._later_fifo and self._carrying()):
                     for d in carry:
                         d.carried, d.strategy = True, "carried"
                     self._carried += carry
