@@ -801,16 +801,20 @@ class DMREngine:
         """Take the fingerprints still to be taken and run the P-DMR comparisons waiting for them, in order,
         while ``more()`` (a window still open) says so."""
         while self._later_fifo and more():
-            item = self._later_fifo.popleft()
-            if isinstance(item, _Later):
-                self._resolve(item)
-                continue
-            op_id, name, expect, got = item
-            e, g = self._resolve(expect), self._resolve(got)
-            if e is not None and g is not None and not self._agree(name, e, g):
-                self._mismatch(op_id, name, "forward", "p-dmr", "forward and recompute differ")
+            differs = self._settle_one(self._later_fifo.popleft())
+            if differs is not None:
+                self._mismatch(*differs, "forward", "p-dmr", "forward and recompute differ")
         if not self._later_fifo and not self._carried_fifo:
             self._later_by_storage.clear()
+
+    def _settle_one(self, item: _Later | tuple) -> tuple[str, str] | None:
+        """Take one queued fingerprint, or run one P-DMR comparison: its (op id, name) when the two differ."""
+        if isinstance(item, _Later):
+            self._resolve(item)
+            return None
+        op_id, name, expect, got = item
+        e, g = self._resolve(expect), self._resolve(got)
+        return (op_id, name) if e is not None and g is not None and not self._agree(name, e, g) else None
 
     def _agree(self, name: str, expect: dops.Fingerprint, got: dops.Fingerprint) -> bool:
         if isinstance(expect, _Later) or isinstance(got, _Later):
@@ -1027,15 +1031,10 @@ class DMREngine:
         if not (self._carried or self._carried_fifo) or not (every or self._carried_due()):
             return self._rewind
         while self._carried_fifo and more() and not self._rewind:  # fingerprints first: they hold outputs alive
-            item = self._carried_fifo.popleft()
-            if isinstance(item, _Later):
-                self._resolve(item)
-                continue
-            op_id, name, expect, got = item
-            e, g = self._resolve(expect), self._resolve(got)
-            if e is not None and g is not None and not self._agree(name, e, g):
-                self._mismatch(op_id, name, "forward", "carried", "forward and recompute differ (compared after "
-                               "the update)")
+            differs = self._settle_one(self._carried_fifo.popleft())
+            if differs is not None:
+                self._mismatch(*differs, "forward", "carried", "forward and recompute differ (compared after the "
+                               "update)")
                 self._rewind = True
         if self._rewind or self._carried_fifo:
             return self._rewind
@@ -1337,7 +1336,6 @@ class DMREngine:
                     self._carried_step = self.step
                     self.carried_bytes += sum(d.nbytes for d in carry)
                     self.counts["carried"] += len(carry)
-                    # and the fingerprints still to be taken (the last micro-batch's outputs, the P-DMR comparisons)
                     self._carried_fifo.extend(self._later_fifo)
                     self._later_fifo.clear()
                     self.counts["fingerprints-carried"] += len(self._carried_fifo)
