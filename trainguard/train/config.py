@@ -47,6 +47,10 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = setting("auto", help="auto (CUDA when present), cpu or cuda")
     host_memory: Literal["default", "retain"] = setting(
         "default", help="retain: on CPU keep freed host memory in the process (no page faults every step)")
+    gc: Literal["step", "python"] = setting(
+        "step", help="step: Python's automatic garbage collection is off while a step runs and the young "
+        "generations are collected after it (a collection in the middle of a step is on the critical path); "
+        "python: Python's default")
     max_retries: int = setting(3, help="re-executions of one step that step guards may ask for before the run aborts")
 
     def validate(self) -> TrainConfig:

@@ -25,6 +25,7 @@ DMR's update check held into the next iteration), activation-checkpoint contexts
 (:func:`trainguard.train.activation_checkpoint.add_checkpoint_context`) and the model's kernel slots and
 product hooks (:mod:`trainguard.models`).
 
+Python's automatic garbage collection is off while a step runs (``[train] gc``, :mod:`trainguard.train.garbage`).
 With no guard registered the step takes no snapshot and runs no extra collective. With guards, a step
 captures RNG and registered components at its start (cheap); parameters and optimizer state are copied
 only when some guard ``inspects_update``. Batches are a pure function of (seed, step, slice), so a
@@ -55,6 +56,7 @@ from trainguard.data import PackedBatches
 from trainguard.errors import CheckpointError, ConfigError, StepAborted, SuspectedHardwareFault, TrainguardError
 from trainguard.models import build_model, lm_loss
 from trainguard.train import checkpoint as ckpt_mod
+from trainguard.train import garbage
 from trainguard.train import snapshot as snap_mod
 from trainguard.train.activation_checkpoint import apply_activation_checkpointing
 from trainguard.train.checkpoint import CheckpointManager
@@ -283,6 +285,10 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         """One committed optimizer step (every attempt a guard asks for included)."""
+        with garbage.collect_after(self.cfg.train.gc == "step"):  # (no collection in the middle of the step)
+            return self._train_step()
+
+    def _train_step(self) -> StepResult:
         step = self.step_idx
         t0 = time.perf_counter()
         guarded = bool(self.guards)

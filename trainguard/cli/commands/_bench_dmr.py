@@ -34,6 +34,13 @@ def register_bench(subparsers) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
     p.add_argument("--memory-budget-mb", type=float, default=0.0,
                    help="memory the deferred checks may hold per rank ([sdc.dmr] memory_budget_mb; 0: its default)")
+    p.add_argument("--host-memory", choices=("retain", "default"), default="retain",
+                   help="retain (default): every system keeps freed CPU memory in the process instead of page-faulting "
+                        "large buffers every step ([train] host_memory; what CUDA's caching allocator does); default: "
+                        "glibc as is")
+    p.add_argument("--gc", choices=("step", "python"), default="step",
+                   help="[train] gc for every system: step (default: no automatic collection in the middle of a step) "
+                        "or python")
     add_json_flag(p)
     p.set_defaults(handler=run)
 
@@ -54,7 +61,8 @@ def _spec(args) -> dict:
     overrides = ["--model.preset", args.model, "--data.seq_len", str(args.seq_len), "--data.batch_size", str(args.batch),
                  "--data.max_bytes", str(max(2_000_000, 64 * args.batch * (args.seq_len + 2))),
                  "--train.steps", "100000", "--train.eval_every", "0", "--train.activation_checkpoint", "full",
-                 "--output.dir", "", "--output.progress", "false", "--output.metrics", "false"]
+                 "--output.dir", "", "--output.progress", "false", "--output.metrics", "false",
+                 "--train.host_memory", args.host_memory, "--train.gc", args.gc]
     if args.pp > 1:
         overrides += ["--distributed.pp", str(args.pp), "--distributed.microbatches", str(args.microbatches)]
     return {"overrides": overrides, "systems": systems, "idle_fraction": args.idle_fraction, "rounds": args.rounds,
@@ -83,7 +91,8 @@ def run(args) -> int:
                 raise TrainguardError("bench dmr: a pipeline process failed: " + " | ".join(tail))
             ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.pp)]
     res = merge(ranks, spec["systems"])
-    res.update(model=args.model, pp=args.pp, batch=args.batch, seq_len=args.seq_len, idle_fraction_target=args.idle_fraction)
+    res.update(model=args.model, pp=args.pp, batch=args.batch, seq_len=args.seq_len, idle_fraction_target=args.idle_fraction,
+               host_memory=args.host_memory, gc=args.gc)
     rows = {k: v for k, v in res.items() if not isinstance(v, (dict, list))}
     out.print(table("bench dmr (side by side; " + ("emulated link" if res["idle_fraction_emulated"] else "loopback link")
                     + ")", rows))

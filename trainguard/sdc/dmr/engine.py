@@ -331,7 +331,7 @@ class DMREngine:
         self._windows: Counter = Counter()
         self.window_log: list[tuple[str, float, float]] = []  # (window, wait s, overrun s) of this attempt
         self.drain_s = 0.0  # time the end-of-iteration drain ran checkers on the main thread
-        self._const: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> tensor
+        self._const: dict[int, weakref.ref] = {}  # id -> tensor (plain weak references, as ``_produced``)
         # outputs of this attempt: id -> plain weak reference (no callback: a WeakValueDictionary's cost per entry,
         # paid by every op of the step, was 50 ms a step); an id reused by a new tensor fails the identity test
         self._produced: dict[int, weakref.ref] = {}
@@ -505,7 +505,8 @@ class DMREngine:
         seg = self._segments[-1][0] if self._segments else None
         owner = self._owner(phase)
         dynamic = ".experts." in self.module() if phase in ("forward", "recompute") else bool(owner and owner[2])
-        const = self._is_const(inf, args, kwargs)
+        ins = dops.tensors((args, kwargs))
+        const = self._is_const(inf, ins)
         twin = rec = None
         if phase == "recompute" and seg is not None and not const:
             twin = seg.records[seg.cursor] if seg.cursor < len(seg.records) else None
@@ -547,7 +548,7 @@ class DMREngine:
             if strategy == "agc":
                 out = _primary(func, args, kwargs)  # checked by its segment's replay
             elif strategy in ("d-inter", "d-intra", "dynamic"):
-                out = self._defer(op_id, phase, strategy, window, func, args, kwargs)
+                out = self._defer(op_id, phase, strategy, window, func, args, kwargs, ins)
             else:
                 out = self._naive(op_id, phase, func, args, kwargs, repair=phase == "optimizer")
         if rec is not None:
@@ -559,7 +560,7 @@ class DMREngine:
                 out = _with_routing(out, twin[3])
         if const:
             for t in dops.tensors(out):
-                self._const[id(t)] = t
+                self._const[id(t)] = weakref.ref(t)
         if phase == "recompute" and op_id.startswith("recompute:"):
             self._tape_alias(op_id, op_id[len("recompute:"):], out)
         else:
@@ -629,11 +630,16 @@ class DMREngine:
             self._last_seq = seq
             self._seq_owner[seq] = (op_id, self._block_of(self.module()), dynamic, self._micro)
 
-    def _is_const(self, inf: dops.OpInfo, args, kwargs) -> bool:
-        """An op whose tensor inputs are all constants of this attempt (or that has none: a factory)."""
+    def _is_const(self, inf: dops.OpInfo, ins: list[torch.Tensor]) -> bool:
+        """An op whose tensor inputs ``ins`` are all constants of this attempt (or that has none: a factory)."""
         if inf.random:
             return False
-        return all(self._const.get(id(t)) is t for t in dops.tensors((args, kwargs)))
+        const = self._const
+        for t in ins:
+            ref = const.get(id(t))
+            if ref is None or ref() is not t:
+                return False
+        return True
 
     def _pdmr_check(self, twin, func, args, kwargs) -> Any:
         out = _primary(func, args, kwargs)  # the recompute: the checker execution of its forward twin
@@ -1133,7 +1139,7 @@ class DMREngine:
             self.totals["detected"] += 1
 
     # ---- deferred checks (D-DMR, AGC, dynamic) -----------------------------------------------------
-    def _defer(self, op_id, phase, strategy, window, func, args, kwargs) -> Any:
+    def _defer(self, op_id, phase, strategy, window, func, args, kwargs, ins=None) -> Any:
         inf = dops.info(func)
         if inf.random or (inf.written and dops.written_args(func, args, kwargs)):
             # in-place and random ops are checked at once (their inputs or generator change right after)
@@ -1145,11 +1151,11 @@ class DMREngine:
         # which the next micro-batch overwrites without a version bump) are cloned; parameters are neither
         # (only the optimizer changes them, after every check has run). One pass over the inputs, each
         # storage looked up once: this runs for every deferred op on the main thread.
-        ins: list[torch.Tensor] = []
+        kept_ins: list[torch.Tensor] = []
         by_ref: list[tuple[int, torch.Tensor]] = []  # (storage, tensor) kept by reference
         clones: dict[int, torch.Tensor] | None = None
         nbytes = 0
-        for t in dops.tensors((args, kwargs)):
+        for t in (dops.tensors((args, kwargs)) if ins is None else ins):
             key = _storage_key(t)
             if key not in self._param_storages:
                 if self._produced_here(t):
@@ -1161,10 +1167,10 @@ class DMREngine:
                         c = clones[id(t)] = t.clone()
                     t = c
                 nbytes += t.numel() * t.element_size()
-            ins.append(t)
+            kept_ins.append(t)
         kept = (args, kwargs) if clones is None else dops.map_tensors(lambda v: clones.get(id(v), v), (args, kwargs))
-        versions = [t._version for t in ins]
-        held = {"args": kept, "ins": ins, "versions": versions}
+        versions = [t._version for t in kept_ins]
+        held = {"args": kept, "ins": kept_ins, "versions": versions}
         if strategy != "dynamic" and self.budget_bytes and \
                 self.queued_bytes + self.carried_bytes + nbytes > self.budget_bytes:
             self.counts["naive-fallback"] += 1

@@ -93,31 +93,48 @@ def flat(value: Any) -> list[Any]:
     return tree_flatten(value)[0]
 
 
+# what a value is, for the argument walks every dispatched op pays (cached per type: ``isinstance`` against
+# ``torch.Tensor`` goes through its metaclass and costs ~160 ns for anything that is not a tensor)
+_LEAF, _TENSOR, _SEQ, _MAP, _OTHER = 0, 1, 2, 3, 4
+_LEAF_TYPES = (int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.layout,
+               torch.memory_format)
+_KINDS: dict[type, int] = {}
+
+
+def _kind(tp: type) -> int:
+    k = _KINDS.get(tp)
+    if k is None:
+        k = _KINDS[tp] = (_TENSOR if issubclass(tp, torch.Tensor) else
+                          _SEQ if issubclass(tp, (tuple, list)) else  # (torch.Size, named tuples too)
+                          _MAP if issubclass(tp, dict) else
+                          _LEAF if issubclass(tp, _LEAF_TYPES) else _OTHER)
+    return k
+
+
 def tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):  # the common cases, without a pytree walk
+    """The tensors in an op's arguments or outputs (tuples, lists and dicts of tensors and scalars; anything
+    else through torch's pytree), in order."""
+    k = _KINDS.get(type(value))
+    if k == _TENSOR:  # the common cases first
         return [value]
-    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
-        return list(value)
-    if value is None:
-        return []
     out: list[torch.Tensor] = []
-    _collect(value, out)
+    if value is not None:
+        _collect(value, out, _kind(type(value)) if k is None else k)
     return out
 
 
-def _collect(value: Any, out: list[torch.Tensor]) -> None:
-    # (op arguments are tuples, lists and dicts of tensors and scalars: a plain walk is several times faster
-    # than torch's pytree, which every op of a DMR step would pay)
-    if isinstance(value, torch.Tensor):
+def _collect(value: Any, out: list[torch.Tensor], k: int) -> None:
+    # (a plain walk is several times faster than torch's pytree, which every op of a DMR step would pay)
+    if k == _TENSOR:
         out.append(value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _collect(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _collect(v, out)
-    elif not isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-                                torch.memory_format)):
+    elif k == _SEQ or k == _MAP:
+        for v in (value if k == _SEQ else value.values()):
+            kv = _KINDS.get(type(v))
+            if kv == _TENSOR:
+                out.append(v)
+            elif kv != _LEAF:
+                _collect(v, out, _kind(type(v)) if kv is None else kv)
+    elif k == _OTHER:
         out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
 
 
@@ -136,14 +153,18 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
     """``value`` with every tensor replaced by ``fn(tensor)``: ``tree_map`` restricted to tensors, with a plain
     walk of the tuples, lists and dicts op arguments are made of (the hot path remaps every in-place op's
     arguments onto its copies)."""
-    if isinstance(value, torch.Tensor):
+    k = _KINDS.get(type(value))
+    if k is None:
+        k = _kind(type(value))
+    if k == _TENSOR:
         return fn(value)
-    if isinstance(value, (tuple, list)) and type(value) in (tuple, list):
+    if k == _LEAF:
+        return value
+    if type(value) in (tuple, list):
         return type(value)(map_tensors(fn, v) for v in value)
     if type(value) is dict:
-        return {k: map_tensors(fn, v) for k, v in value.items()}
-    if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-                          torch.memory_format)):
+        return {key: map_tensors(fn, v) for key, v in value.items()}
+    if type(value) is torch.Size:
         return value
     return tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
 
