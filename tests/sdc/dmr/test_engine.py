@@ -167,10 +167,10 @@ def test_determinism_report_and_tolerance_mode(batches, clean, tmp_path):
         load_tolerances(tmp_path / "bad.json", 8.0)
 
 
-def _held_trainer(batches):
+def _held_trainer(batches, *extra):
     """A single-process trainer whose engine takes the pipeline path (fingerprints later, update held): no
     window ever opens, so every check runs in the drain, which exercises the same code."""
-    t = _trainer(batches, "--train.activation_checkpoint", "full")
+    t = _trainer(batches, "--train.activation_checkpoint", "full", *extra)
     eng = attach(t, DMRConfig(enabled=True))
     eng.deferrable = True
     return t, eng
@@ -230,3 +230,54 @@ def test_no_check_is_carried_past_the_last_step_of_a_run(batches, clean):
     t.run(3)
     assert not eng._carried and eng.totals["detected"] == 0
     assert _equal(_params(t), clean)
+
+
+@pytest.fixture(scope="module")
+def clean_accum(batches):
+    t = _trainer(batches, "--train.activation_checkpoint", "full", "--train.grad_accum", "2")
+    for _ in range(3):
+        t.train_step()
+    return _params(t)
+
+
+# (occurrences of the out-of-place add in backward that are the second micro-batch's gradient accumulation: with the
+# swapped op's check removed, these three faults go undetected and the run ends wrong)
+@pytest.mark.parametrize("occurrence", [27, 30, 33])
+def test_a_bit_flip_in_a_gradient_accumulated_out_of_place_is_detected_and_rolled_back_bitwise(
+        batches, clean_accum, occurrence):
+    """``p.grad.add_`` of the second micro-batch runs out of place and ``p.grad`` takes the result's storage; its
+    check is deferred like any other op's. A bit flip in that result is found and the step re-executed."""
+    t, eng = _held_trainer(batches, "--train.grad_accum", "2")
+    inj = Injector(Fault(OpSite("aten.add.Tensor", "backward", occurrence, compute_only=True),
+                         FaultModel("bitflip", field="exponent"), step=1), seed=7).attach(t)
+    attempts = [t.train_step().attempts for _ in range(3)]
+    assert len(inj.records) == 1 and eng.totals["detected"] == 1 and attempts == [2, 1, 2]
+    assert eng.counts["gradient-swapped"] > 0 and eng.totals["stale"] == 0
+    assert _equal(_params(t), clean_accum)
+
+
+def test_clean_gradient_swaps_raise_no_alarm_and_match_in_place_accumulation_bitwise(batches, clean_accum):
+    t, eng = _held_trainer(batches, "--train.grad_accum", "2")
+    for _ in range(3):
+        t.train_step()
+    assert eng.counts["gradient-swapped"] > 0
+    assert eng.totals["detected"] == 0 and eng.totals["stale"] == 0
+    assert _equal(_params(t), clean_accum)  # (the run without DMR accumulates in place)
+
+
+def test_only_a_parameters_own_gradient_is_swapped_and_only_where_the_values_stay_the_same():
+    from trainguard.sdc.dmr.engine import DMREngine
+
+    model = torch.nn.Linear(4, 4)
+    eng = DMREngine(DMRConfig(enabled=True))
+    eng._model = model
+    add_, add = torch.ops.aten.add_.Tensor, torch.ops.aten.add.Tensor
+    model.weight.grad = torch.ones(4, 4)
+    assert eng._grad_swap(add_, (model.weight.grad, torch.ones(4, 4)), {}) is add
+    assert eng._grad_swap(add_, (torch.ones(4, 4), torch.ones(4, 4)), {}) is None  # not a gradient
+    assert eng._grad_swap(add_, (model.weight.grad, torch.ones(4, 4, dtype=torch.float64)), {}) is None  # promotes
+    assert eng._grad_swap(add_, (model.weight.grad, torch.ones(4)), {}) is None  # broadcasts
+    assert eng._grad_swap(torch.ops.aten.copy_.default, (model.weight.grad, torch.ones(4, 4)), {}) is None
+    bucket = torch.zeros(32)
+    model.weight.grad = bucket[:16].view(4, 4)  # DDP's gradient as a view of its bucket: shares the storage
+    assert eng._grad_swap(add_, (model.weight.grad, torch.ones(4, 4)), {}) is None

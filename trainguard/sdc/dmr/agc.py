@@ -59,6 +59,7 @@ class Tape:
     seen: set[str] = field(default_factory=set)
     aliases: list[tuple[int, Any]] = field(default_factory=list)  # (slot, fingerprint of a recompute output)
     replayed: bool = False
+    kept_storages: set[int] = field(default_factory=set)  # storages of the boundary tensors kept by reference
 
     @property
     def complete(self) -> bool:
@@ -89,6 +90,8 @@ class Tape:
                 rec.append(("keep", x, None))
                 continue
             kept = x if produced_here(x) else x.clone()
+            if kept is x:
+                self.kept_storages.add(x.untyped_storage().data_ptr())
             self.kept_bytes += kept.numel() * kept.element_size()
             rec.append(("keep", kept, kept._version))
         outs = dops.tensors(out)
@@ -110,6 +113,18 @@ class Tape:
 
     def entry_of(self, op_id: str) -> _Entry | None:
         return next((e for e in self.entries if e.op_id == op_id), None)
+
+    def repoint(self, key: int, alias: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Boundary tensors kept by reference on the storage ``key`` (a gradient about to take another storage,
+        ``set_``) are kept as ``alias(t)`` instead: the same storage, a version counter of its own."""
+        if key not in self.kept_storages:
+            return
+        for e in self.entries:
+            for i, leaf in enumerate(e.leaves):
+                if isinstance(leaf, tuple) and leaf and leaf[0] == "keep" and leaf[2] is not None:
+                    t = alias(leaf[1])
+                    if t is not leaf[1]:
+                        e.leaves[i] = ("keep", t, t._version)
 
     def replay(self, fingerprint: Callable[[Any], Any], agree: Callable[[str, Any, Any], bool]) -> str | None:
         """Re-run the tape; returns the id of the first op whose replay differs (None: all agree)."""

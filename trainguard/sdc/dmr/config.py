@@ -40,6 +40,10 @@ class DMRConfig:
                                "micro-batch's on the first stage) are checked in the next iteration's first window "
                                "instead, against the state before the update; a mismatch re-executes both "
                                "iterations. false: checked at once")
+    swap_gradients: bool = setting(True, help="pipeline / expert-parallel runs: a gradient accumulated or scaled in "
+                                   "place (add_, div_, mul_ on p.grad) is computed out of place and p.grad takes the "
+                                   "result's storage, so its check is deferred like any other op instead of a copy and "
+                                   "a second execution at once. false: checked at once")
     plan: str = setting("", help="a DMR plan JSON (trainguard plan dmr --out); empty: profile and plan at the start")
     profile_steps: int = setting(1, help="steps profiled before planning (they run with naive DMR)")
     determinism_report: str = setting("", help="tolerance mode: a determinism report JSON (from a clean run)")

@@ -331,6 +331,7 @@ class DMREngine:
         self._windows: Counter = Counter()
         self.window_log: list[tuple[str, float, float]] = []  # (window, wait s, overrun s) of this attempt
         self.drain_s = 0.0  # time the end-of-iteration drain ran checkers on the main thread
+        self._grads: dict[int, weakref.ref] = {}  # id -> a parameter's gradient (see _grad_swap)
         self._const: dict[int, weakref.ref] = {}  # id -> tensor (plain weak references, as ``_produced``)
         # outputs of this attempt: id -> plain weak reference (no callback: a WeakValueDictionary's cost per entry,
         # paid by every op of the step, was 50 ms a step); an id reused by a new tensor fails the identity test
@@ -473,13 +474,16 @@ class DMREngine:
             return out
         # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
         # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
+        swap = self._grad_swap(func, args, kwargs) if inf.written and self.deferrable and self.cfg.swap_gradients \
+            and not self._profiling else None
         if self._later_by_storage or self._kept_by_storage:
-            if inf.written or inf.kind == "comm":
+            # (an op on a gradient that will be swapped writes nothing: settled only if it is not, in _dispatch)
+            if (inf.written and swap is None) or inf.kind == "comm":
                 self._settle_written(func, args, kwargs, every=inf.kind == "comm")
         before = getattr(_INJECTOR_FLAG, "active", False)
         _INJECTOR_FLAG.active = True  # (checker_execution(), without a context manager per op)
         try:
-            out = self._dispatch(func, args, kwargs)
+            out = self._dispatch(func, args, kwargs, swap)
         finally:
             _INJECTOR_FLAG.active = before
         if self.deferrable:
@@ -487,7 +491,7 @@ class DMREngine:
                 self._produced[id(t)] = weakref.ref(t)
         return out
 
-    def _dispatch(self, func, args: tuple, kwargs: dict) -> Any:
+    def _dispatch(self, func, args: tuple, kwargs: dict, swap=None) -> Any:
         inf = dops.info(func)
         if inf.kind != "compute":
             if self._profiling and inf.kind == "comm":
@@ -535,6 +539,9 @@ class DMREngine:
         self.counts[strategy] += 1
         if strategy == "agc" and (dops.written_args(func, args, kwargs) or inf.random):
             strategy = "naive"  # an in-place or random op cannot be replayed from a tape: checked at once
+        if swap is not None and strategy not in ("d-inter", "d-intra"):
+            self._settle_written(func, args, kwargs)  # (not swapped after all: it writes in place)
+            swap = None
         if strategy == "p-dmr":
             out = _primary(func, args, kwargs)
             routing = _routing_copy(out)
@@ -548,7 +555,7 @@ class DMREngine:
             if strategy == "agc":
                 out = _primary(func, args, kwargs)  # checked by its segment's replay
             elif strategy in ("d-inter", "d-intra", "dynamic"):
-                out = self._defer(op_id, phase, strategy, window, func, args, kwargs, ins)
+                out = self._defer(op_id, phase, strategy, window, func, args, kwargs, ins, swap)
             else:
                 out = self._naive(op_id, phase, func, args, kwargs, repair=phase == "optimizer")
         if rec is not None:
@@ -1139,9 +1146,11 @@ class DMREngine:
             self.totals["detected"] += 1
 
     # ---- deferred checks (D-DMR, AGC, dynamic) -----------------------------------------------------
-    def _defer(self, op_id, phase, strategy, window, func, args, kwargs, ins=None) -> Any:
+    def _defer(self, op_id, phase, strategy, window, func, args, kwargs, ins=None, swap=None) -> Any:
         inf = dops.info(func)
         if inf.random or (inf.written and dops.written_args(func, args, kwargs)):
+            if swap is not None:
+                return self._swapped(op_id, phase, strategy, window, swap, args, kwargs)
             # in-place and random ops are checked at once (their inputs or generator change right after)
             self.counts["naive-fallback"] += 1
             return self._naive(op_id, phase, func, args, kwargs)
@@ -1211,6 +1220,77 @@ class DMREngine:
             self.queue.append(d)
             self.queued_bytes += nbytes
         return out
+
+    # ---- gradients updated in place, deferred like any other op ------------------------------------------
+    # Autograd accumulates each micro-batch's weight gradient into ``p.grad`` in place (``add_``), and the
+    # pipeline scales the sum in place (``div_``): checked at once, each is a copy, a second execution and two
+    # checksum passes over every gradient, on the critical path. When nothing but the engine shares the
+    # gradient's storage, the op runs out of place instead (same kernel, bitwise the same values) and ``p.grad``
+    # takes the result's storage (``set_``, no data moved). The gradient as it was stays untouched in its old
+    # storage, so the check is an ordinary deferred one: its inputs kept by reference, its output's fingerprint
+    # taken later, checked in a window like the op's neighbours.
+    def _grad_swap(self, func, args, kwargs) -> Any:
+        """The out-of-place form of ``func`` if it updates a parameter's gradient in place and may be swapped."""
+        oop = dops.out_of_place(func)
+        if oop is None or not args or self._model is None:
+            return None
+        g = args[0]
+        if type(g) is not torch.Tensor or g._is_view() or not g.is_contiguous() or g.requires_grad:
+            return None  # (a view, e.g. DDP's gradient-as-bucket-view, shares its storage with its base)
+        ref = self._grads.get(id(g))
+        if ref is None or ref() is not g:
+            self._grads = {id(p.grad): weakref.ref(p.grad) for p in self._model.parameters() if p.grad is not None}
+            ref = self._grads.get(id(g))
+            if ref is None or ref() is not g:
+                return None
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        if isinstance(other, torch.Tensor) and (other.dtype != g.dtype or other.device != g.device or
+                                                (other.shape != g.shape and other.dim() != 0)):
+            return None  # (the out-of-place form would promote or broadcast differently)
+        return oop
+
+    def _swapped(self, op_id, phase, strategy, window, oop, args, kwargs) -> torch.Tensor:
+        g = args[0]
+        # the gradient so far: its storage is not written again (g takes the result's below). A tensor of its own,
+        # not a detach(): that shares g's version counter, which set_ bumps
+        old = _alias(g)
+        self._produced[id(old)] = weakref.ref(old)
+        self._repoint(g)
+        out = self._defer(op_id, phase, strategy, window, oop, (old, *args[1:]), kwargs)
+        if out.shape != g.shape or out.dtype != g.dtype:  # (excluded by _grad_swap; never silently wrong)
+            raise RuntimeError(f"{oop} computed {tuple(out.shape)} {out.dtype} for a gradient of "
+                               f"{tuple(g.shape)} {g.dtype}")
+        g.set_(out if out.stride() == g.stride() else out.contiguous())
+        self.counts["gradient-swapped"] += 1
+        return g
+
+    def _repoint(self, g: torch.Tensor) -> None:
+        """Fingerprints still to be taken and queued checks that keep a tensor on ``g``'s storage by reference (the
+        first micro-batch's gradient is the weight-gradient op's output itself, or an alias of it sharing its
+        version counter) keep an alias of their own instead: the same storage, which ``g.set_`` is about to leave
+        and nothing writes afterwards; their version counter is then not bumped by the ``set_``. Nothing is
+        computed here."""
+        key = _storage_key(g)
+        aliases: dict[int, torch.Tensor] = {}
+
+        def swap(v: torch.Tensor) -> torch.Tensor:
+            if _storage_key(v) != key:
+                return v
+            a = aliases.get(id(v))
+            if a is None:
+                a = aliases[id(v)] = _alias(v)
+            return a
+        for lz in self._later_by_storage.get(key, ()):
+            if lz.value is not None:
+                lz.value = dops.map_tensors(swap, lz.value)
+                lz.versions = [t._version for t in dops.tensors(lz.value)]
+        for held, _ in self._kept_by_storage.get(key, ()):
+            if held["args"] is not None:
+                held["args"] = dops.map_tensors(swap, held["args"])
+                held["ins"] = [swap(v) for v in held["ins"]]
+                held["versions"] = [v._version for v in held["ins"]]
+        for tape in self._tapes.values():
+            tape.repoint(key, swap)
 
     def _produced_here(self, t: torch.Tensor) -> bool:
         base = t._base if t._base is not None else t
@@ -1444,6 +1524,12 @@ def _tracks_base(func) -> bool:
         got = _TRACKS_BASE[func] = bool(getattr(func, "is_view", False)) and str(func) not in (
             "aten.detach.default", "aten.alias.default", "aten.lift_fresh.default")
     return got
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``t``'s storage, with ``t``'s size, strides and offset, and a version counter of its own."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(),
+                                                               t.stride())
 
 
 def _primary(func, args, kwargs):

@@ -85,6 +85,22 @@ def written_args(func, args: tuple, kwargs: dict, skip: tuple = ()) -> list[torc
     return out
 
 
+# in-place elementwise ops and their out-of-place forms (see DMREngine._grad_swap)
+_OUT_OF_PLACE = {"aten.add_.Tensor": ("add", "Tensor"), "aten.div_.Tensor": ("div", "Tensor"),
+                 "aten.div_.Scalar": ("div", "Scalar"), "aten.mul_.Tensor": ("mul", "Tensor"),
+                 "aten.mul_.Scalar": ("mul", "Scalar")}
+_OOP_CACHE: dict[Any, Any] = {}
+
+
+def out_of_place(func) -> Any:
+    """The out-of-place overload computing what the in-place elementwise ``func`` writes (``add_.Tensor`` ->
+    ``add.Tensor``), None for any other op. Same kernel, same element order: bitwise the same values."""
+    if func not in _OOP_CACHE:
+        pair = _OUT_OF_PLACE.get(info(func).name)
+        _OOP_CACHE[func] = getattr(getattr(torch.ops.aten, pair[0]), pair[1]) if pair else None
+    return _OOP_CACHE[func]
+
+
 def mutates(func) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
