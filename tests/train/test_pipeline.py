@@ -187,7 +187,8 @@ def test_dmr_a_wrong_recompute_in_the_last_micro_batch_is_compared_after_the_upd
     stages rewind to the start of step 2 and re-execute steps 2 and 3, bitwise equal to the fault-free run."""
     dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true"]
     got = run_dist(tmp_path, "fifo", 2, f"dmrocc:0:2:recompute:{occurrence}", *PP, *dmr)
-    assert got[0]["fired"] and got[0]["dmr"]["detected"] == 1
+    # (once, under the full suite on two workers, stage 0 counted 3 detections: the message says where they were)
+    assert got[0]["fired"] and got[0]["dmr"]["detected"] == 1, [(s["attempts"], s.get("retries")) for s in got[0]["steps"]]
     assert all([s["attempts"] for s in r["steps"]] == [2, 1, 1, 1, 2] for r in got)
     (site, rewind), = got[0]["steps"][-1]["retries"]
     assert rewind and site.startswith("forward:")  # the forward op whose recompute differed
