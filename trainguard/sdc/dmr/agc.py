@@ -91,7 +91,7 @@ class Tape:
                 continue
             kept = x if produced_here(x) else x.clone()
             if kept is x:
-                self.kept_storages.add(x.untyped_storage().data_ptr())
+                self.kept_storages.add(dops.storage_key(x))
             self.kept_bytes += kept.numel() * kept.element_size()
             rec.append(("keep", kept, kept._version))
         outs = dops.tensors(out)

@@ -146,11 +146,7 @@ class _Later:
         self.fp: dops.Fingerprint | None = None
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:  # (a tensor without storage: nothing can write into it)
-        return id(t)
+_storage_key = dops.storage_key
 
 
 def _free_memory_bytes(device: torch.device) -> int:

@@ -85,6 +85,14 @@ def written_args(func, args: tuple, kwargs: dict, skip: tuple = ()) -> list[torc
     return out
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """Which memory ``t`` lives in (its storage's address): tensors with the same key alias each other."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # (a tensor without storage: nothing can write into it)
+        return id(t)
+
+
 # in-place elementwise ops and their out-of-place forms (see DMREngine._grad_swap)
 _OUT_OF_PLACE = {"aten.add_.Tensor": ("add", "Tensor"), "aten.div_.Tensor": ("div", "Tensor"),
                  "aten.div_.Scalar": ("div", "Scalar"), "aten.mul_.Tensor": ("mul", "Tensor"),
