@@ -86,6 +86,11 @@ elif mode.startswith(("dmrocc:", "dmrloop:")):  # dmrocc:R:K:PHASE:N: a bit flip
     if trainer.rank == int(rank):
         site = OpSite("*", phase, int(occ), compute_only=True)
         injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
+elif mode.startswith("dmrsite:"):  # dmrsite:R:K:OP:PHASE:N: a bit flip in rank R's N-th op matching OP at step K
+    _, rank, step, op, phase, occ = mode.split(":")
+    if trainer.rank == int(rank):
+        site = OpSite(op, phase, int(occ), compute_only=True)
+        injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
 elif mode.startswith("dmradam:"):  # dmradam:R:K: a bit flip in what rank R's fused AdamW writes at step K
     _, rank, step = mode.split(":")
     if trainer.rank == int(rank):
@@ -110,7 +115,7 @@ else:
     summary = trainer.run(n_steps)
 trainer.close()
 abft = handles["abft"].total() if "abft" in handles else {}
-fired = bool(mode.startswith(("abft:", "dmr:", "dmrocc:", "dmrloop:", "dmradam:", "dmrroute:")) and "injector" in globals()
+fired = bool(mode.startswith(("abft:", "dmr:", "dmrocc:", "dmrloop:", "dmrsite:", "dmradam:", "dmrroute:")) and "injector" in globals()
              and injector.records)
 dmr = handles.get("dmr")
 sched = getattr(trainer.strategy, "schedule", None)

@@ -54,3 +54,20 @@ def test_clip_gradients():
     p.grad = torch.tensor([3.0, 4.0, 0.0, 0.0])
     assert math.isclose(float(clip_gradients([p], 0.0)), 5.0, rel_tol=1e-6)
     assert torch.equal(p.grad, torch.tensor([3.0, 4.0, 0.0, 0.0]))  # 0 disables clipping
+
+
+def test_squared_norm_and_scale_gradients_match_the_per_tensor_forms():
+    from trainguard.train.optim import scale_gradients, squared_norm
+
+    torch.manual_seed(0)
+    grads = [torch.randn(1000), torch.randn(33, 7), torch.randn(1).double(), torch.randn(64).bfloat16()]
+    want = sum(float(g.double().pow(2).sum()) for g in grads)
+    got = squared_norm(grads)
+    assert got.dtype == torch.float32 and got.dim() == 0 and math.isclose(float(got), want, rel_tol=1e-5)
+    assert float(squared_norm([])) == 0.0
+    coef = torch.tensor(0.37)
+    expect = [g * coef.to(g.dtype) if g.dtype != torch.bfloat16 else None for g in grads]
+    scale_gradients(grads, coef)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expect) if e is not None)  # fp32 / fp64: bitwise
+    assert grads[3].dtype == torch.bfloat16
+    scale_gradients([], coef)  # nothing to scale: no error

@@ -75,3 +75,26 @@ def clip_gradients(params, max_norm: float) -> torch.Tensor:
     if max_norm > 0:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
     return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+
+
+def squared_norm(grads: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Sum of the squares of every element of ``grads`` (a 0-d float32 tensor, no host sync), for a global
+    norm reduced over ranks. One ``_foreach_norm`` over the list (as ``torch.nn.utils.get_total_norm`` does)
+    instead of a squared copy of each gradient: it reads each gradient once and allocates nothing of its size."""
+    if not grads:
+        return torch.zeros((), device=device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    norms: list[torch.Tensor] = []
+    for dtype, group in by_dtype.items():
+        # (half precision accumulates in float32; float64 may not be narrowed by the op, so it is cast after)
+        wide = torch.finfo(dtype).bits > 32
+        norms += [n.float() for n in torch._foreach_norm(group, 2, dtype=None if wide else torch.float32)]
+    return torch.stack(norms).square().sum()
+
+
+def scale_gradients(grads: list[torch.Tensor], coef: torch.Tensor | float) -> None:
+    """``g *= coef`` for every gradient, in one list op (clipping: as ``torch.nn.utils.clip_grads_with_norm_``)."""
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device) if isinstance(coef, torch.Tensor) else coef)

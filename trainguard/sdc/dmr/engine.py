@@ -427,9 +427,12 @@ class DMREngine:
 
     # ---- strategy choice -------------------------------------------------------------------------
     def strategy_for(self, op_id: str, phase: str, name: str, dynamic: bool, in_segment: bool) -> tuple[str, str | None]:
-        if phase == "optimizer":  # (ops over lists of tensors: in cache-sized pieces)
-            return ("optimizer" if name in _FUSED_OPTIMIZERS or (name.startswith("aten._foreach_") and
-                    name.split(".")[1].endswith("_")) else "naive"), None
+        if name in _FUSED_OPTIMIZERS or (name.startswith("aten._foreach_") and name.split(".")[1].endswith("_")):
+            # in-place ops over lists of tensors (the update; gradient scaling and clipping, in any phase): in
+            # cache-sized pieces, at once
+            return "optimizer", None
+        if phase == "optimizer":
+            return "naive", None
         if self.cfg.system == "naive":
             return "naive", None
         if dynamic and self.deferrable:
@@ -547,7 +550,7 @@ class DMREngine:
                 rec = [op_id, name, None, None]  # (checked otherwise; keeps the recompute aligned)
                 seg.records.append(rec)
             if strategy == "optimizer":
-                return self._verified_optimizer(op_id, func, args, kwargs)
+                return self._verified_optimizer(op_id, func, args, kwargs, repair=phase == "optimizer")
             if strategy == "agc":
                 out = _primary(func, args, kwargs)  # checked by its segment's replay
             elif strategy in ("d-inter", "d-intra", "dynamic"):
@@ -845,12 +848,14 @@ class DMREngine:
             return dops.checksums_equal(a, b) if self.cfg.fingerprints else dops.bitwise_equal(a, b)
         return dops.Fingerprint.of(a, floats=True).matches(dops.Fingerprint.of(b, floats=True), rtol)
 
-    def _verified_optimizer(self, op_id: str, func, args, kwargs) -> Any:
-        """An update-stage op over lists of tensors (the fused AdamW, clipping's ``_foreach_mul_``) verified in
-        cache-sized pieces: every list argument is cut into flat slices of the same elements and each piece
+    def _verified_optimizer(self, op_id: str, func, args, kwargs, repair: bool = True) -> Any:
+        """An in-place op over lists of tensors (the fused AdamW, clipping's ``_foreach_mul_``, the pipeline's
+        gradient averaging ``_foreach_div_``) verified in cache-sized pieces, at once: every list argument is cut
+        into flat slices of the same elements and each piece
         runs as its own call (these ops are elementwise, so each element's result is bitwise the same).
         Each piece is copied, run, checked and, on a mismatch, repaired while it is still in cache: the
-        copies cost no memory bandwidth to speak of and no copy of the whole optimizer state is made."""
+        copies cost no memory bandwidth to speak of and no copy of the whole optimizer state is made. Outside the
+        update stage (``repair`` false) a mismatch is reported and the iteration retried instead."""
         schema = func._schema.arguments
         names = [a.name for a in schema]
         bound = {n: (args[i] if i < len(args) else kwargs.get(n)) for i, n in enumerate(names)}
@@ -888,8 +893,8 @@ class DMREngine:
                     part[n] = [bound[n][i] for i, _, _ in group]
             pos = tuple(part[a.name] for a in schema if not a.kwarg_only)
             kw = {a.name: part[a.name] for a in schema if a.kwarg_only and part.get(a.name) is not None}
-            self._naive(f"{op_id}/{group[0][0]}.{group[0][1]}", "optimizer", func, pos, kw, repair=True,
-                        read_only=read_only)
+            self._naive(f"{op_id}/{group[0][0]}.{group[0][1]}", "optimizer" if repair else self.phase(), func, pos,
+                        kw, repair=repair, read_only=read_only)
             self.counts["optimizer-chunks"] += 1
         return None
 

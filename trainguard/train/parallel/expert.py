@@ -27,6 +27,7 @@ import torch.distributed as dist
 from trainguard.errors import ConfigError
 from trainguard.models.moe import MoEFeedForward
 from trainguard.train.guards import Verdict
+from trainguard.train.optim import scale_gradients, squared_norm
 from trainguard.train.parallel.base import Strategy, gather_to_main, init_default_group, reduce_verdicts_over
 
 if TYPE_CHECKING:
@@ -131,27 +132,19 @@ class ExpertParallelStrategy(Strategy):
             for p in dense:
                 p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
                 off += p.numel()
-        for p in trainer.model.parameters():
-            if p.grad is not None:
-                p.grad.div_(self.world)
+        grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+        if grads:  # (one list op; DMR verifies it in cache-sized pieces)
+            torch._foreach_div_(grads, self.world)
         return loss
 
     def grad_norm(self, trainer: Trainer, max_norm: float) -> torch.Tensor:
         params = [p for p in trainer.model.parameters() if p.grad is not None]
-        dense_sq = torch.zeros((), device=trainer.device)
-        expert_sq = torch.zeros((), device=trainer.device)
-        for p in params:
-            sq = p.grad.detach().float().pow(2).sum()
-            if _is_expert(trainer, p):
-                expert_sq = expert_sq + sq
-            else:
-                dense_sq = dense_sq + sq
+        dense_sq = squared_norm([p.grad for p in params if not _is_expert(trainer, p)], trainer.device)
+        expert_sq = squared_norm([p.grad for p in params if _is_expert(trainer, p)], trainer.device)
         dist.all_reduce(expert_sq)  # each expert lives on one rank; dense gradients are equal everywhere
         total = (dense_sq + expert_sq).sqrt()
         if max_norm > 0:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for p in params:
-                p.grad.mul_(coef.to(p.grad.dtype))
+            scale_gradients([p.grad for p in params], torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
     def global_loss(self, trainer: Trainer, loss: torch.Tensor) -> torch.Tensor:

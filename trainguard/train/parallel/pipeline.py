@@ -34,6 +34,7 @@ from torch.distributed.pipelining import PipelineStage
 from trainguard.errors import ConfigError
 from trainguard.models import lm_loss
 from trainguard.train.guards import Verdict
+from trainguard.train.optim import scale_gradients, squared_norm
 from trainguard.train.parallel.base import (
     MicroBatch,
     StepPlan,
@@ -195,8 +196,8 @@ class PipelineStrategy(Strategy):
             for g in grads:
                 g.copy_(flat[off:off + g.numel()].view_as(g))
                 off += g.numel()
-        for g in grads:
-            g.div_(total_micro)
+        if grads:  # (one op over the list: cheaper than one per gradient, and DMR verifies it in cache-sized pieces)
+            torch._foreach_div_(grads, total_micro)
         if self.is_last and self._losses:
             return torch.stack([v.detach().float() for v in self._losses]).mean()
         return torch.zeros((), device=trainer.device)
@@ -215,14 +216,11 @@ class PipelineStrategy(Strategy):
 
     def grad_norm(self, trainer: Trainer, max_norm: float) -> torch.Tensor:
         grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
-        local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else \
-            torch.zeros((), device=trainer.device)
+        local = squared_norm(grads, trainer.device)
         dist.all_reduce(local, group=self.pp_group)  # replicas hold equal gradients: the stages suffice
         total = local.sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef.to(g.dtype))
+        if max_norm > 0 and grads:
+            scale_gradients(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
     def global_loss(self, trainer: Trainer, loss: torch.Tensor) -> torch.Tensor:
