@@ -54,3 +54,21 @@ def test_config_rejects_an_unknown_host_memory_mode():
     cfg.train.host_memory = "forever"
     with pytest.raises(ConfigError, match="train.host_memory"):
         cfg.validate()
+
+
+@linux_glibc
+def test_heap_peak_sees_a_buffer_freed_inside_it_and_the_heap_in_use_drops_after():
+    import time
+
+    import torch
+
+    from trainguard.train.host_memory import HeapPeak, heap_in_use_bytes
+
+    before = heap_in_use_bytes()
+    with HeapPeak() as hp:
+        t = torch.ones(48 * 2**20 // 4)  # 48 MiB, alive for a few sampling intervals, freed before the exit
+        time.sleep(0.02)
+        del t
+    after = heap_in_use_bytes()
+    assert before is not None and hp.peak is not None
+    assert hp.peak - before >= 48 * 2**20 and after - before < 8 * 2**20

@@ -12,7 +12,11 @@ see docs/abft-tooling.md).
 never to trim it (``M_TRIM_THRESHOLD`` = 2 GiB): the resident size stays at the peak, as with CUDA's
 caching allocator. It is what jemalloc / tcmalloc (PyTorch's CPU performance guide recommends preloading
 them) achieve, without a preload. Process-wide and not reversible for memory already allocated; a no-op
-(returning False) where the C library is not glibc. Relies on ``ctypes`` only.
+(returning False) where the C library is not glibc.
+
+:func:`heap_in_use_bytes` and :class:`HeapPeak` measure what the process holds allocated (glibc's
+``mallinfo2``: heap and mmapped chunks in use, every arena), which the resident size no longer tells once
+freed memory is retained. Relies on ``ctypes`` and ``threading`` only.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+import threading
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
@@ -54,3 +59,63 @@ def retain_freed_memory() -> bool:
 def host_memory_mode() -> str:
     """``retain`` once :func:`retain_freed_memory` is in force in this process, else ``default``."""
     return "retain" if _applied else "default"
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                 "uordblks", "fordblks", "keepcost")]
+
+
+_mallinfo2 = None
+
+
+def heap_in_use_bytes() -> int | None:
+    """Bytes the process holds allocated through malloc now (chunks in use in every arena plus mmapped ones),
+    or None where glibc's ``mallinfo2`` (glibc >= 2.33) is not available. ~0.5 us a call."""
+    global _mallinfo2
+    if _mallinfo2 is None:
+        libc = _glibc()
+        fn = getattr(libc, "mallinfo2", None) if libc is not None else None
+        if fn is None:
+            _mallinfo2 = False
+            return None
+        fn.restype, fn.argtypes = _MallInfo2, []
+        _mallinfo2 = fn
+    if _mallinfo2 is False:
+        return None
+    m = _mallinfo2()
+    return int(m.uordblks + m.hblkhd)
+
+
+class HeapPeak:
+    """The largest :func:`heap_in_use_bytes` seen while the context is open, sampled by a thread every
+    ``interval_s`` (``peak`` None where it cannot be measured). A sampler, not a hook: a peak shorter than the
+    interval can be missed, so it is a lower bound; use it around an untimed step, not a timed one."""
+
+    def __init__(self, interval_s: float = 0.0005):
+        self.interval_s = interval_s
+        self.peak: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        while True:
+            now = heap_in_use_bytes()
+            if now is not None and (self.peak is None or now > self.peak):
+                self.peak = now
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> HeapPeak:
+        if heap_in_use_bytes() is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            now = heap_in_use_bytes()  # (the last state too, should the step end at its peak)
+            if now is not None and (self.peak is None or now > self.peak):
+                self.peak = now

@@ -281,3 +281,22 @@ def test_only_a_parameters_own_gradient_is_swapped_and_only_where_the_values_sta
     bucket = torch.zeros(32)
     model.weight.grad = bucket[:16].view(4, 4)  # DDP's gradient as a view of its bucket: shares the storage
     assert eng._grad_swap(add_, (model.weight.grad, torch.ones(4, 4)), {}) is None
+
+
+def test_bench_reports_each_systems_own_peak_heap_and_says_how_memory_was_measured():
+    """One bench rank in a single process (no pipeline, so no idle windows): every system gets its own peak."""
+    import platform
+    import sys
+
+    from trainguard.sdc.dmr.bench import merge, run_rank
+
+    systems = ["none", "naive", "sparetrain"]
+    res = run_rank({"overrides": SMALL + ["--train.activation_checkpoint", "full"], "systems": systems,
+                    "rounds": 1, "steps": 1, "warmup": 1})
+    out = merge([res], systems)
+    assert out["coverage"] == 1.0 and out["detected_in_clean_runs"] == 0
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        assert out["memory_measure"].startswith("heap")
+        assert all(res["systems"][s]["peak_heap_bytes"] == out["peak_memory_bytes"][s] > 0 for s in systems)
+    else:
+        assert out["memory_measure"].startswith("resident")

@@ -16,7 +16,10 @@ others into pipeline transfer windows as planned from a profile of the run. Abla
 Loopback links are nearly free, unlike an inter-node link: ``idle_fraction > 0`` **emulates** a slower
 link between pipeline stages (every transfer lands a fixed delay after it is issued), calibrated on the
 No-DMR warm-up so the No-DMR step idles that fraction of its time (measured again in the timed rounds and
-reported). Each rank writes its figures to ``OUT/rank{r}.json``; the CLI merges them.
+reported). Peak memory per system is the heap in use (glibc's ``mallinfo2``, sampled every 0.5 ms) during one
+more untimed step of that system after the rounds: the systems share one process, whose resident size only
+grows (``peak_rss_bytes`` keeps it, per system as read after its rounds). Each rank writes its figures to
+``OUT/rank{r}.json``; the CLI merges them.
 
 Run inside each process by ``python -m trainguard.sdc.dmr.bench OUT CONFIG.json`` (torchrun for pipelines).
 Relies on torch (distributed), the Trainer and the DMR engine.
@@ -39,6 +42,7 @@ from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import attach
 from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
 from trainguard.train import Trainer, TrainerConfig
+from trainguard.train.host_memory import HeapPeak
 
 SYSTEMS = ("none", "naive", "sparetrain-p1", "sparetrain-p12", "sparetrain")
 PHASES = {"sparetrain-p1": (1,), "sparetrain-p12": (1, 2), "sparetrain": (1, 2, 3)}
@@ -139,6 +143,16 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             per[s]["times"] += t
             per[s]["idle"].append(idle)
             per[s]["rss"].append(_rss_bytes())
+    # peak memory per system: the process's resident size cannot tell the systems apart (they share the process,
+    # and retained host memory keeps it at the highest so far), so each system runs one more untimed step (after
+    # one that settles the switch) with the heap in use sampled
+    heap: dict[str, int | None] = {}
+    for s in systems:
+        _set_system(engine, trainer, s, plans)
+        trainer.train_step()
+        with HeapPeak() as hp:
+            trainer.train_step()
+        heap[s] = hp.peak
     # coverage of one more SpareTrain step, with the per-op report on
     _set_system(engine, trainer, "sparetrain", plans)
     engine.cfg.coverage = True
@@ -150,6 +164,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         "emulated_link": delay > 0, "tokens_per_step": tokens,
         "systems": {s: {"tokens_per_s": tokens / statistics.median(v["times"]), "step_s": statistics.median(v["times"]),
                         "idle_fraction": statistics.median(v["idle"]), "peak_rss_bytes": max(v["rss"]),
+                        "peak_heap_bytes": heap[s],
                         **{(k if k == "main_cpu_s" else f"checker_{k}"): statistics.median(x)
                            for k, x in v["where"].items()}}
                     for s, v in per.items()},
@@ -167,6 +182,8 @@ def merge(ranks: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
     """One result for the run: throughput from rank 0 (every stage takes the same step time), idle and
     memory over ranks (mean idle, max memory), coverage the minimum over ranks."""
     r0 = ranks[0]["systems"]
+    heap_known = all(r["systems"][s].get("peak_heap_bytes") is not None for r in ranks for s in systems)
+    key = "peak_heap_bytes" if heap_known else "peak_rss_bytes"
     tps = {s: r0[s]["tokens_per_s"] for s in systems}
     out: dict[str, Any] = {
         "no_dmr_tokens_per_s": tps.get("none"), "naive_tokens_per_s": tps.get("naive"),
@@ -175,7 +192,9 @@ def merge(ranks: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
         if "none" in systems else None,
         "idle_fraction_emulated": ranks[0]["emulated_link"], "link_delay_ms": ranks[0]["link_delay_ms"],
         "coverage": min(r["coverage"] for r in ranks), "detected_in_clean_runs": sum(r["detected"] for r in ranks),
-        "peak_memory_bytes": {s: max(r["systems"][s]["peak_rss_bytes"] for r in ranks) for s in systems},
+        "peak_memory_bytes": {s: max(r["systems"][s][key] for r in ranks) for s in systems},
+        "memory_measure": "heap in use during one untimed step (glibc mallinfo2, sampled)" if key == "peak_heap_bytes"
+        else "resident size of the process (shared by every system)",
         "ablation": {s: {"tokens_per_s": tps[s],
                          "overhead_vs_no_dmr": (tps["none"] / tps[s] - 1) if "none" in tps else None}
                      for s in systems if s.startswith("sparetrain")},
