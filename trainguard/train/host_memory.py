@@ -16,13 +16,14 @@ them) achieve, without a preload. Process-wide and not reversible for memory alr
 
 :func:`heap_in_use_bytes` and :class:`HeapPeak` measure what the process holds allocated (glibc's
 ``mallinfo2``: heap and mmapped chunks in use, every arena), which the resident size no longer tells once
-freed memory is retained. Relies on ``ctypes`` and ``threading`` only.
+freed memory is retained. Relies on ``ctypes``, ``functools`` and ``threading`` only.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 import threading
 
@@ -66,24 +67,23 @@ class _MallInfo2(ctypes.Structure):
                                                  "uordblks", "fordblks", "keepcost")]
 
 
-_mallinfo2 = None
+@functools.cache
+def _mallinfo2():
+    """glibc's ``mallinfo2`` (glibc >= 2.33), or None."""
+    libc = _glibc()
+    fn = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if fn is not None:
+        fn.restype, fn.argtypes = _MallInfo2, []
+    return fn
 
 
 def heap_in_use_bytes() -> int | None:
     """Bytes the process holds allocated through malloc now (chunks in use in every arena plus mmapped ones),
-    or None where glibc's ``mallinfo2`` (glibc >= 2.33) is not available. ~0.5 us a call."""
-    global _mallinfo2
-    if _mallinfo2 is None:
-        libc = _glibc()
-        fn = getattr(libc, "mallinfo2", None) if libc is not None else None
-        if fn is None:
-            _mallinfo2 = False
-            return None
-        fn.restype, fn.argtypes = _MallInfo2, []
-        _mallinfo2 = fn
-    if _mallinfo2 is False:
+    or None where glibc's ``mallinfo2`` is not available. ~0.5 us a call."""
+    fn = _mallinfo2()
+    if fn is None:
         return None
-    m = _mallinfo2()
+    m = fn()
     return int(m.uordblks + m.hblkhd)
 
 
@@ -98,16 +98,19 @@ class HeapPeak:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _observe(self) -> None:
+        now = heap_in_use_bytes()
+        if now is not None and (self.peak is None or now > self.peak):
+            self.peak = now
+
     def _sample(self) -> None:
         while True:
-            now = heap_in_use_bytes()
-            if now is not None and (self.peak is None or now > self.peak):
-                self.peak = now
+            self._observe()
             if self._stop.wait(self.interval_s):
                 return
 
     def __enter__(self) -> HeapPeak:
-        if heap_in_use_bytes() is not None:
+        if _mallinfo2() is not None:
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
         return self
@@ -116,6 +119,4 @@ class HeapPeak:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-            now = heap_in_use_bytes()  # (the last state too, should the step end at its peak)
-            if now is not None and (self.peak is None or now > self.peak):
-                self.peak = now
+            self._observe()  # (the last state too, should the step end at its peak)

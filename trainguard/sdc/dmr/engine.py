@@ -550,7 +550,7 @@ class DMREngine:
                 rec = [op_id, name, None, None]  # (checked otherwise; keeps the recompute aligned)
                 seg.records.append(rec)
             if strategy == "optimizer":
-                return self._verified_optimizer(op_id, func, args, kwargs, repair=phase == "optimizer")
+                return self._verified_optimizer(op_id, phase, func, args, kwargs)
             if strategy == "agc":
                 out = _primary(func, args, kwargs)  # checked by its segment's replay
             elif strategy in ("d-inter", "d-intra", "dynamic"):
@@ -848,14 +848,15 @@ class DMREngine:
             return dops.checksums_equal(a, b) if self.cfg.fingerprints else dops.bitwise_equal(a, b)
         return dops.Fingerprint.of(a, floats=True).matches(dops.Fingerprint.of(b, floats=True), rtol)
 
-    def _verified_optimizer(self, op_id: str, func, args, kwargs, repair: bool = True) -> Any:
+    def _verified_optimizer(self, op_id: str, phase: str, func, args, kwargs) -> Any:
         """An in-place op over lists of tensors (the fused AdamW, clipping's ``_foreach_mul_``, the pipeline's
         gradient averaging ``_foreach_div_``) verified in cache-sized pieces, at once: every list argument is cut
         into flat slices of the same elements and each piece
         runs as its own call (these ops are elementwise, so each element's result is bitwise the same).
         Each piece is copied, run, checked and, on a mismatch, repaired while it is still in cache: the
         copies cost no memory bandwidth to speak of and no copy of the whole optimizer state is made. Outside the
-        update stage (``repair`` false) a mismatch is reported and the iteration retried instead."""
+        update stage (``phase`` other than ``optimizer``) a mismatch is reported and the iteration retried instead."""
+        repair = phase == "optimizer"
         schema = func._schema.arguments
         names = [a.name for a in schema]
         bound = {n: (args[i] if i < len(args) else kwargs.get(n)) for i, n in enumerate(names)}
@@ -893,8 +894,8 @@ class DMREngine:
                     part[n] = [bound[n][i] for i, _, _ in group]
             pos = tuple(part[a.name] for a in schema if not a.kwarg_only)
             kw = {a.name: part[a.name] for a in schema if a.kwarg_only and part.get(a.name) is not None}
-            self._naive(f"{op_id}/{group[0][0]}.{group[0][1]}", "optimizer" if repair else self.phase(), func, pos,
-                        kw, repair=repair, read_only=read_only)
+            self._naive(f"{op_id}/{group[0][0]}.{group[0][1]}", phase, func, pos, kw, repair=repair,
+                        read_only=read_only)
             self.counts["optimizer-chunks"] += 1
         return None
 
@@ -1223,9 +1224,10 @@ class DMREngine:
         return out
 
     # ---- gradients updated in place, deferred like any other op ------------------------------------------
-    # Autograd accumulates each micro-batch's weight gradient into ``p.grad`` in place (``add_``), and the
-    # pipeline scales the sum in place (``div_``): checked at once, each is a copy, a second execution and two
-    # checksum passes over every gradient, on the critical path. When nothing but the engine shares the
+    # Autograd accumulates each micro-batch's weight gradient into ``p.grad`` in place (``add_``), and a model or
+    # strategy may scale one in place (``div_``, ``mul_``; the trainer's own strategies use one list op over every
+    # gradient, checked in pieces by _verified_optimizer): checked at once, each is a copy, a second execution and
+    # two checksum passes over the gradient, on the critical path. When nothing but the engine shares the
     # gradient's storage, the op runs out of place instead (same kernel, bitwise the same values) and ``p.grad``
     # takes the result's storage (``set_``, no data moved). The gradient as it was stays untouched in its old
     # storage, so the check is an ordinary deferred one: its inputs kept by reference, its output's fingerprint

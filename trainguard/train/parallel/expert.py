@@ -138,13 +138,16 @@ class ExpertParallelStrategy(Strategy):
         return loss
 
     def grad_norm(self, trainer: Trainer, max_norm: float) -> torch.Tensor:
-        params = [p for p in trainer.model.parameters() if p.grad is not None]
-        dense_sq = squared_norm([p.grad for p in params if not _is_expert(trainer, p)], trainer.device)
-        expert_sq = squared_norm([p.grad for p in params if _is_expert(trainer, p)], trainer.device)
+        dense: list[torch.Tensor] = []
+        experts: list[torch.Tensor] = []
+        for p in trainer.model.parameters():
+            if p.grad is not None:
+                (experts if _is_expert(trainer, p) else dense).append(p.grad)
+        dense_sq, expert_sq = squared_norm(dense, trainer.device), squared_norm(experts, trainer.device)
         dist.all_reduce(expert_sq)  # each expert lives on one rank; dense gradients are equal everywhere
         total = (dense_sq + expert_sq).sqrt()
         if max_norm > 0:
-            scale_gradients([p.grad for p in params], torch.clamp(max_norm / (total + 1e-6), max=1.0))
+            scale_gradients(dense + experts, torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
     def global_loss(self, trainer: Trainer, loss: torch.Tensor) -> torch.Tensor:
