@@ -71,4 +71,5 @@ def test_heap_peak_sees_a_buffer_freed_inside_it_and_the_heap_in_use_drops_after
         del t
     after = heap_in_use_bytes()
     assert before is not None and hp.peak is not None
-    assert hp.peak - before >= 48 * 2**20 and after - before < 8 * 2**20
+    # (margins: the rest of the process allocates and frees a few hundred KB meanwhile; a missed buffer reads ~0)
+    assert hp.peak - before >= 40 * 2**20 and after - before < 8 * 2**20
