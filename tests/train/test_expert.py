@@ -45,10 +45,14 @@ def test_two_expert_ranks_match_one_process(clean_ep):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_dmr_defers_into_expert_windows_and_rolls_back_bitwise(tmp_path, clean_ep, phase):
-    got = run_dist(tmp_path, "dmr", 2, f"dmr:0:2:{phase}", *EP, "--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true")
-    assert got[0]["fired"] and got[0]["dmr"]["detected"] >= 1
+@pytest.mark.parametrize("phase, executor", [("forward", "thread"), ("backward", "thread"), ("forward", "stream"),
+                                             ("backward", "stream")])
+def test_dmr_defers_into_expert_windows_and_rolls_back_bitwise(tmp_path, clean_ep, phase, executor):
+    got = run_dist(tmp_path, "dmr", 2, f"dmr:0:2:{phase}", *EP, "--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true",
+                   "--sdc.dmr.executor", executor)
+    assert got[0]["fired"] and got[0]["dmr"]["detected"] >= 1 and not got[1]["dmr"].get("detected")
+    # (the stream executor: comparisons were read at the verdict)
+    assert all((r["dmr_counts"].get("flags-read", 0) > 0) == (executor == "stream") for r in got)
     # (step 0: profiled, then planned.) Step 2 retried; or, where the op's check was carried past step 2's update
     # (no window after it), step 3 rewinds: step 2 re-executed (recorded once more), then step 3. A rewind restores
     # on each rank only what step 2's update wrote (an expert no token reached is not in it): restoring every held

@@ -161,6 +161,22 @@ def test_dmr_on_two_stages_detects_a_bit_flip_and_ends_bitwise_equal(tmp_path, c
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dmr:1:2:backward", "dmrocc:0:2:backward:560", "dmradam:1:2"])
+def test_dmr_stream_executor_on_two_stages_detects_decides_at_the_verdict_and_ends_bitwise(tmp_path, clean_pp2, mode):
+    """The stream executor (the default on CUDA) on real pipeline windows: checkers launched before each transfer's
+    wait, comparisons read at the verdict. A flip in a backward op checked in a window, in one carried past the
+    update, and in the held update: each found, the other stage raises nothing, the run ends bitwise equal."""
+    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true", "--sdc.dmr.executor", "stream"]
+    got = run_dist(tmp_path, "stream", 2, mode, *PP, *dmr)
+    rank = int(mode.split(":")[1])
+    assert got[rank]["fired"] and got[rank]["dmr"]["detected"] >= 1 and not got[1 - rank]["dmr"].get("detected")
+    assert all(r["dmr_coverage"] == 1.0 for r in got)
+    assert all(r["dmr_counts"].get("flags-read", 0) > 0 for r in got)
+    assert any(k.startswith("checked-in-pp") for r in got for k in r["dmr_counts"])
+    assert_bitwise(got, clean_pp2)
+
+
+@pytest.mark.slow
 def test_dmr_a_fault_in_the_last_micro_batch_backward_is_found_after_the_update_and_both_steps_re_executed(
         tmp_path, clean_pp2):
     """Stage 0's last micro-batch backward has no transfer after it before the update: its checks are carried into

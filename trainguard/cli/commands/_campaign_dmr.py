@@ -30,6 +30,8 @@ def register_campaign(subparsers) -> None:
     p.add_argument("--dim", type=int, default=64, help="model width for the trials (default 64: fast)")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--executor", default="auto", choices=("auto", "thread", "stream"),
+                   help="where deferred checkers run in a window ([sdc.dmr] executor; auto: stream on CUDA)")
     add_json_flag(p)
     p.set_defaults(handler=run)
 
@@ -45,7 +47,7 @@ def spec_from(args) -> dict:
     if args.pp > 1:
         overrides += ["--distributed.pp", "2", "--distributed.microbatches", "2"]
     return {"overrides": overrides, "trials": args.trials, "seed": args.seed, "phase": args.phase, "steps": args.steps,
-            "model": args.model, "progress": not args.json}
+            "model": args.model, "progress": not args.json, "executor": args.executor}
 
 
 def _worker_error(stderr: str) -> str:

@@ -56,9 +56,10 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def _run(cfg, steps: int, fault: Fault | None, rank_of_fault: int, seed: int, count: bool = False, plan=None):
+def _run(cfg, steps: int, fault: Fault | None, rank_of_fault: int, seed: int, count: bool = False, plan=None,
+         executor: str = "auto"):
     trainer = Trainer(cfg, progress=False)
-    engine = attach(trainer, DMRConfig(enabled=True), plan=plan)
+    engine = attach(trainer, DMRConfig(enabled=True, executor=executor), plan=plan)
     injector = None
     if count or (fault is not None and trainer.rank == rank_of_fault):
         injector = Injector([fault] if fault is not None else [], seed=seed).attach(trainer)
@@ -74,12 +75,14 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     cfg = TrainerConfig.load(None, spec["overrides"])
     steps, trials, seed = spec["steps"], spec["trials"], spec["seed"]
-    ref_trainer, ref_engine, counter, fp = _run(cfg, steps, None, -1, seed, count=True)
+    executor = spec.get("executor", "auto")
+    ref_trainer, ref_engine, counter, fp = _run(cfg, steps, None, -1, seed, count=True, executor=executor)
     first, plan = ref_trainer, ref_engine.plan
     if plan is not None:
         # The plan made from a profile depends on measured times, so every run of the campaign follows the
         # reference's plan: then the same ops run in every trial and a drawn site is always reached.
-        ref_trainer, ref_engine, counter, fp2 = _run(cfg, steps, None, -1, seed, count=True, plan=plan)
+        ref_trainer, ref_engine, counter, fp2 = _run(cfg, steps, None, -1, seed, count=True, plan=plan,
+                                                         executor=executor)
         fp = fp or fp2
     reference = ref_trainer.state_dict_for_compare()
     world, rank = ref_trainer.world, ref_trainer.rank
@@ -98,7 +101,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             phase, step, frank = options[int(rng.integers(len(options)))]
             occurrence = int(rng.integers(counts[frank][(step, phase)]))
             fault = Fault(OpSite("*", phase, occurrence, compute_only=True), FaultModel("bitflip", field="any"), step=step)
-            trainer, engine, injector, detected = _run(cfg, steps, fault, frank, seed * 1_000_003 + trial, plan=plan)
+            trainer, engine, injector, detected = _run(cfg, steps, fault, frank, seed * 1_000_003 + trial,
+                                                              plan=plan, executor=executor)
             state = trainer.state_dict_for_compare()
             equal = _all(state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state))
             detected = _any(detected)
@@ -119,6 +123,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         bar.stop()
     summary["rank"] = rank
+    summary["executor"] = executor
     first.close()  # (the first trainer created the process group of a pipeline run: it closes it)
     return summary
 

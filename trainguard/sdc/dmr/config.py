@@ -44,6 +44,11 @@ class DMRConfig:
                                    "place (add_, div_, mul_ on p.grad) is computed out of place and p.grad takes the "
                                    "result's storage, so its check is deferred like any other op instead of a copy and "
                                    "a second execution at once. false: checked at once")
+    executor: Literal["auto", "thread", "stream"] = setting(
+        "auto", help="where deferred checkers run during a communication window: thread (a worker thread while the "
+        "main thread waits: CPU), stream (a side stream of the device, launched before the wait, with comparisons "
+        "kept as device flags read once at the verdict: CUDA; on CPU the stream is a no-op and the checkers run "
+        "before the wait), auto (stream on CUDA, thread otherwise)")
     plan: str = setting("", help="a DMR plan JSON (trainguard plan dmr --out); empty: profile and plan at the start")
     profile_steps: int = setting(1, help="steps profiled before planning (they run with naive DMR)")
     determinism_report: str = setting("", help="tolerance mode: a determinism report JSON (from a clean run)")

@@ -80,6 +80,18 @@ _DEFERRED = ("d-inter", "d-intra", "agc")
 CARRY = "carry"  # the window of checks carried into the next iteration
 
 
+@contextlib.contextmanager
+def _checking() -> Iterator[None]:
+    """This thread runs engine executions (checkers, tie-breakers): the mode and the injector let them through."""
+    before = getattr(_CHECKING, "active", False)
+    _CHECKING.active = True
+    try:
+        with checker_execution():
+            yield
+    finally:
+        _CHECKING.active = before
+
+
 @dataclass
 class Mismatch:
     op_id: str
@@ -246,6 +258,14 @@ class DMREngine:
         self._carry_sync_step: int | None = None
         self._rewind = False
         self._trainer = None
+        # the stream executor (see window): the device module, its side stream, and the comparisons' device flags
+        # with what to do when read (None: the thread executor, where every comparison is read at once)
+        self._devmod: Any = None
+        self._side: Any = None
+        self._sync: Callable[[], None] | None = None  # a CUDA device: profiled times are the device's, not launches'
+        self._flags: list[tuple[torch.Tensor, Callable[[], None], Callable[[], None] | None]] | None = None
+        self._window_spent = 0.0  # estimated checker time run in the current window (the stream executor's budget)
+        self._on_side: Any = None  # the CUDA side stream while checkers are launched on it
         self._index_plan()
         self._reset_attempt()
 
@@ -280,7 +300,19 @@ class DMREngine:
         self._handles.append(trainer.add_state_hook(self._state_event))
         self._world = trainer.world
         self._trainer = trainer
+        self._use_executor(trainer.device)
         return self
+
+    def _use_executor(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self._sync = lambda: torch.cuda.synchronize(device)
+        executor = self.cfg.executor
+        if executor == "auto":
+            executor = "stream" if device.type == "cuda" else "thread"
+        if executor == "stream":
+            self._devmod = torch.get_device_module(device.type)  # torch.cpu's streams are no-ops
+            self._side = self._devmod.Stream(device=device) if device.type == "cuda" else self._devmod.Stream()
+            self._flags = []
 
     def needs_plan(self) -> bool:
         return self.active and self.cfg.system == "sparetrain" and self.plan is None and self.deferrable
@@ -319,6 +351,8 @@ class DMREngine:
         self._optimizer_phase = on
 
     def _reset_attempt(self) -> None:
+        if self._flags:  # (a failed attempt's: a held update's check still decides what the state copies hold)
+            self._read_flags()
         self.update_stage = False  # set once the step's guards passed: mismatches are repaired from here on
         self.counts: Counter = Counter()
         self.mismatches: list[Mismatch] = []
@@ -608,8 +642,18 @@ class DMREngine:
             tape.alias(op_id, e.out_slots, out, self._fp_later)
 
     def _replay(self, tape: Tape, where: str) -> None:
+        found: list[str] = []
+
+        def differs() -> None:
+            if not found:  # (one detection per segment, as when the replay stops at its first difference)
+                found.append(tape.seg_id)
+                self._mismatch(tape.seg_id, "agc-segment", "backward", "agc", f"AGC segment {tape.seg_id} replay differs")
+
+        # where flags are read at the verdict the replay runs to its end and each comparison leaves a flag
+        agree = self._agree if self._flags is None else (
+            lambda name, e, g: self._compare(name, e, g, differs) or True)
         try:
-            bad = tape.replay(self._fp, self._agree)
+            bad = tape.replay(self._fp, agree)
         except StaleInput:
             self.counts["stale"] += 1
             self.totals["stale"] += 1
@@ -705,6 +749,13 @@ class DMREngine:
         else:
             out2 = func(*args, **kwargs)
         rng.forward()  # and the run continues from the state after the primary
+        if not repair and self._flags is not None and self.cfg.fingerprints and _all_tensors(out):
+            # (the stream executor: no host synchronisation per op; decided at the verdict, like the deferred checks)
+            one = written and out is written[0] and len(written) == 1
+            a, b = (written, checked) if one else ((out, written), (out2, checked)) if written else (out, out2)
+            self._compare(dops.info(func).name, self._fp(a), self._fp(b), lambda: self._mismatch(
+                op_id, dops.info(func).name, phase, "naive", "primary and checker differ"))
+            return out
         if written and out is written[0] and len(written) == 1:  # in place, returning what it wrote: one comparison
             same = self._same(func, written, checked)
         else:
@@ -775,6 +826,8 @@ class DMREngine:
             return x
         if x.fp is None and x.value is not None:
             ts = dops.tensors(x.value)
+            if self._on_side is not None:
+                _record_on(self._on_side, ts)
             if any(t._version != v for t, v in zip(ts, x.versions)):
                 self.counts["stale"] += 1
                 self.totals["stale"] += 1
@@ -813,20 +866,59 @@ class DMREngine:
         """Take the fingerprints still to be taken and run the P-DMR comparisons waiting for them, in order,
         while ``more()`` (a window still open) says so."""
         while self._later_fifo and more():
-            differs = self._settle_one(self._later_fifo.popleft())
-            if differs is not None:
-                self._mismatch(*differs, "forward", "p-dmr", "forward and recompute differ")
+            self._settle_one(self._later_fifo.popleft(), self._pdmr_differs)
         if not self._later_fifo and not self._carried_fifo:
             self._later_by_storage.clear()
 
-    def _settle_one(self, item: _Later | tuple) -> tuple[str, str] | None:
-        """Take one queued fingerprint, or run one P-DMR comparison: its (op id, name) when the two differ."""
+    def _pdmr_differs(self, op_id: str, name: str) -> None:
+        self._mismatch(op_id, name, "forward", "p-dmr", "forward and recompute differ")
+
+    def _settle_one(self, item: _Later | tuple, differs: Callable[[str, str], None]) -> None:
+        """Take one queued fingerprint, or run one P-DMR comparison: ``differs(op id, name)`` when the two differ."""
         if isinstance(item, _Later):
             self._resolve(item)
-            return None
+            return
         op_id, name, expect, got = item
         e, g = self._resolve(expect), self._resolve(got)
-        return (op_id, name) if e is not None and g is not None and not self._agree(name, e, g) else None
+        if e is not None and g is not None:
+            self._compare(name, e, g, lambda: differs(op_id, name))
+
+    # ---- comparisons read at the verdict (the stream executor) -----------------------------------------
+    # On a device, reading a comparison's result is a host synchronisation: the host would wait for each checker
+    # instead of running ahead. With the stream executor, a comparison whose outcome only decides the verdict
+    # leaves a flag on the device instead; the verdict reads them all in one transfer and acts on them in order.
+    def _compare(self, name: str, expect: Any, got: Any, differs: Callable[[], None]) -> None:
+        """``differs()`` when two fingerprints differ: at once, or when the verdict reads the flags."""
+        if self._flags is None or self.calibration is not None or self.cfg.compare != "bitwise":
+            if not self._agree(name, expect, got):
+                differs()
+            return
+        if isinstance(expect, _Later) or isinstance(got, _Later):
+            expect, got = self._resolve(expect), self._resolve(got)
+            if expect is None or got is None:
+                return  # counted as stale (not checkable), never as a detection
+        if expect.shapes != got.shapes or (expect.sums is None) != (got.sums is None):
+            differs()
+        elif expect.sums is not None:
+            self._flag(torch.ne(expect.sums, got.sums).any(), differs)
+
+    def _flag(self, differ: torch.Tensor, differs: Callable[[], None], agrees: Callable[[], None] | None = None) -> None:
+        with self._lock:
+            self._flags.append((differ, differs, agrees))
+
+    def _read_flags(self) -> None:
+        """Read the pending comparisons' flags (one device-to-host transfer) and act on each, in order."""
+        if not self._flags:
+            return
+        flags, self._flags = self._flags, []
+        values = torch.stack([f for f, _, _ in flags]).tolist()
+        self.counts["flags-read"] += len(flags)
+        with _checking():  # (a held update's tie-breaker runs here: an engine execution, not an op of the step)
+            for differ, (_, differs, agrees) in zip(values, flags):
+                if differ:
+                    differs()
+                elif agrees is not None:
+                    agrees()
 
     def _agree(self, name: str, expect: dops.Fingerprint, got: dops.Fingerprint) -> bool:
         if isinstance(expect, _Later) or isinstance(got, _Later):
@@ -971,14 +1063,24 @@ class DMREngine:
             torch._foreach_copy_(chk[n], pre[n])
         self._run_update(h, chk)
         self.counts["optimizer-held-checked"] += 1
-        if all(dops.bitwise_equal(chk[n], live[n]) for n in h.written):
-            # the checker's result is the verified state before the next update: no copy of it is made
-            for n in h.written:
-                for t, c, p in zip(live[n], chk[n], pre[n]):
-                    self._pre[id(t)], self._spare[id(t)] = (t, c), p
-                    self._spare_step[id(t)] = h.step
-            self._pre_start, self._spare_start = h.step + 1, h.step
-            return
+        if self._flags is not None:  # decided when the verdict reads the flag (nothing reads the copies before)
+            differ = torch.stack([torch.ne(dops.int_view(c), dops.int_view(t)).any()
+                                  for n in h.written for c, t in zip(chk[n], live[n])]).any()
+            self._flag(differ, lambda: self._held_differs(h, live, pre, chk), lambda: self._held_agrees(h, live, pre, chk))
+        elif all(dops.bitwise_equal(chk[n], live[n]) for n in h.written):
+            self._held_agrees(h, live, pre, chk)
+        else:
+            self._held_differs(h, live, pre, chk)
+
+    def _held_agrees(self, h: _HeldUpdate, live: dict, pre: dict, chk: dict) -> None:
+        # the checker's result is the verified state before the next update: no copy of it is made
+        for n in h.written:
+            for t, c, p in zip(live[n], chk[n], pre[n]):
+                self._pre[id(t)], self._spare[id(t)] = (t, c), p
+                self._spare_step[id(t)] = h.step
+        self._pre_start, self._spare_start = h.step + 1, h.step
+
+    def _held_differs(self, h: _HeldUpdate, live: dict, pre: dict, chk: dict) -> None:
         self._run_update(h, pre)  # the tie-breaker, from the same copy (the copy is the state after it now)
         self._pre_start, self._spare_start = h.step + 1, None
         if all(dops.bitwise_equal(pre[n], chk[n]) for n in h.written):
@@ -1046,11 +1148,7 @@ class DMREngine:
         if not (self._carried or self._carried_fifo) or not (every or self._carried_due()):
             return self._rewind
         while self._carried_fifo and more() and not self._rewind:  # fingerprints first: they hold outputs alive
-            differs = self._settle_one(self._carried_fifo.popleft())
-            if differs is not None:
-                self._mismatch(*differs, "forward", "carried", "forward and recompute differ (compared after the "
-                               "update)")
-                self._rewind = True
+            self._settle_one(self._carried_fifo.popleft(), self._carried_differs)
         if self._rewind or self._carried_fifo:
             return self._rewind
         self._pre_by_storage = {p.untyped_storage().data_ptr(): (p, c) for p, c in self._pre.values()}
@@ -1065,6 +1163,10 @@ class DMREngine:
         if not self._carried:
             self.carried_bytes = 0
         return self._rewind
+
+    def _carried_differs(self, op_id: str, name: str) -> None:
+        self._mismatch(op_id, name, "forward", "carried", "forward and recompute differ (compared after the update)")
+        self._rewind = True
 
     def restore_before_update(self, step: int) -> None:
         """Parameters and optimizer state (but its scalar step counters, which the trainer restores) back to their
@@ -1119,23 +1221,18 @@ class DMREngine:
         if not self._held and not self._repair and self._held_fatal is None and not self._carried and \
                 not self._carried_fifo and not sync:
             return
-        _CHECKING.active = True
-        try:
-            with checker_execution():
-                rewound = self._check_carried(every=True)
-        finally:
-            _CHECKING.active = False
+        with _checking():
+            self._check_carried(every=True)
+            self._read_flags()
+            rewound = self._rewind
         if sync:  # a re-execution is collective: every rank learns whether some rank's carried check failed
             rewound = self._trainer.strategy.any_rank(self._trainer, rewound)
         self._carry_sync_step = None
         if not rewound:
-            _CHECKING.active = True
-            try:
-                with checker_execution():
-                    self._check_held()
-                    self._apply_repair()
-            finally:
-                _CHECKING.active = False
+            with _checking():
+                self._check_held()
+                self._read_flags()
+                self._apply_repair()
         if rewound:  # the last update read wrong gradients: re-executed (through the trainer) before anything reads
             self._trainer.redo_last_step("dmr: a check carried past the last update differs")
             self.settle()  # (the re-executed step carries nothing: its held update is checked here)
@@ -1189,6 +1286,9 @@ class DMREngine:
         t0 = time.perf_counter()
         out = _primary(func, args, kwargs)
         est = time.perf_counter() - t0
+        if self._sync is not None and self.plan is not None and (planned := self.plan.ops.get(op_id)) is not None:
+            est = planned.time_s  # (on a device the host time is the launch's; the profile's is the kernel's)
+
         def run(held=held, before_update: Callable | None = None):
             try:
                 args = held["args"]
@@ -1307,20 +1407,28 @@ class DMREngine:
             return False
 
     def window(self, kind: str, wait: Callable[[], Any]) -> Any:
-        """Run queued checkers while ``wait()`` blocks on communication; returns what ``wait`` returns.
+        """Run queued checkers while ``wait()`` waits on communication; returns what ``wait`` returns.
 
         The n-th wait of a kind in an attempt is window ``kind:n`` (the ids of the profile and the plan).
-        Checkers planned for this window all run; unplanned ones run one by one until the communication
-        completes, dynamic ones as the dynamic planner decides. On CPU they run on a worker thread (the
-        waiting thread holds no core); on CUDA they would run on a side stream."""
+        Checkers planned for this window all run; unplanned ones run one by one while the window lasts, dynamic
+        ones as the dynamic planner decides. The thread executor (CPU) runs them on a worker thread while this
+        thread waits (a waiting thread holds no core) and joins it when the communication completes. The stream
+        executor (CUDA) launches them on a side stream before the wait (a device's communication runs on its own
+        stream: the host does not wait, the compute stream does), so they overlap the transfer on the device; the
+        compute stream then waits for them, as the join does."""
         if not self.active:
             return wait()
         wid = f"{kind}:{self._windows[kind]}"
         self._windows[kind] += 1
         if self._profiling:
+            if self._sync is not None:
+                self._sync()  # (on a device the wait returns at once: the window is the transfer still to finish)
             t0 = time.perf_counter()
             try:
-                return wait()
+                out = wait()
+                if self._sync is not None:
+                    self._sync()
+                return out
             finally:
                 self._window_records.append(Window(wid, kind, t0 - self._t0, time.perf_counter() - t0, self._last_op,
                                                    dynamic=kind == "ep"))
@@ -1329,38 +1437,27 @@ class DMREngine:
         if not todo and not tapes and not self.dynamic.queue and not self._later_fifo and not self._held \
                 and not self._carried_due():
             return wait()
-        closed = threading.Event()
         ran: list[Deferred] = []
+        try:
+            if self._side is not None:
+                return self._window_on_stream(wid, kind, todo, tapes, ran, wait)
+            return self._window_on_thread(wid, kind, todo, tapes, ran, wait)
+        finally:
+            done = {id(d) for d in ran}
+            self.queue = [d for d in self.queue if id(d) not in done]
 
+    def _window_on_thread(self, wid: str, kind: str, todo: list[Deferred], tapes: list[Tape], ran: list[Deferred],
+                          wait: Callable[[], Any]) -> Any:
+        closed = threading.Event()
         failed: list[BaseException] = []
 
         def work() -> None:
             try:
-                checks()
+                _CHECKING.active = True
+                with checker_execution():
+                    self._window_checks(wid, kind, todo, tapes, ran, lambda: not closed.is_set())
             except BaseException as err:  # handed to the main thread: a checker never fails silently
                 failed.append(err)
-
-        def checks() -> None:
-            _CHECKING.active = True
-            with checker_execution():
-                if not self._carried_due():
-                    self._check_held(self.step)  # the previous iteration's update, once its carried checks ran
-                # fingerprints taken later next: they hold outputs alive (and P-DMR comparisons wait on them)
-                self._settle(lambda: not closed.is_set())
-                for tape in tapes:  # planned for this window: they all run
-                    tape.replayed = True
-                    self._replay(tape, kind)
-                for d in todo:
-                    if closed.is_set() and d.window != wid:
-                        break
-                    self._check(d, kind)
-                    ran.append(d)
-                # the previous iteration's carried checks, in the time left (the rest in later windows or the drain)
-                if self._check_carried(more=lambda: not closed.is_set()):
-                    return  # one failed: both iterations are re-executed; the held update keeps its copy
-                if not self._carried_due():
-                    self._check_held(self.step)
-                self.dynamic.at_dynamic_window(lambda: not closed.is_set(), wid)
 
         worker = threading.Thread(target=work, daemon=True)
         t0 = time.perf_counter()
@@ -1373,12 +1470,71 @@ class DMREngine:
             worker.join()
             # (window, time the communication took, time the step then waited for the checkers planned there)
             self.window_log.append((wid, t1 - t0, time.perf_counter() - t1))
-            done = {id(d) for d in ran}
-            self.queue = [d for d in self.queue if id(d) not in done]
             if failed:
                 raise failed[0]
 
+    def _window_on_stream(self, wid: str, kind: str, todo: list[Deferred], tapes: list[Tape], ran: list[Deferred],
+                          wait: Callable[[], Any]) -> Any:
+        # The host cannot see when the transfer completes, so the window's length is the profiled one: unplanned
+        # checkers are launched while the estimated times of all launched so far (planned ones first, which all
+        # are) fit in it.
+        w = self._plan_window(wid)
+        length = w.duration_s if w is not None else 0.0
+        self._window_spent = 0.0
+        side, cur = self._side, self._devmod.current_stream()
+        side.wait_stream(cur)  # the checkers read what the compute stream produced before the window
+        t0 = time.perf_counter()
+        failed: BaseException | None = None
+        self._on_side = side if self._sync is not None else None  # (CUDA: inputs released meanwhile are recorded)
+        try:
+            with _checking(), self._devmod.stream(side):
+                self._window_checks(wid, kind, todo, tapes, ran, lambda: self._window_spent < length)
+        except BaseException as err:  # raised after the wait: the transfer is always waited for
+            failed = err
+        finally:
+            self._on_side = None
+        t1 = time.perf_counter()
+        try:
+            return wait()
+        finally:
+            cur.wait_stream(side)  # what follows on the compute stream (it may write a checked input) comes after
+            # (window, time the wait took on the host, time the checkers took to launch)
+            self.window_log.append((wid, time.perf_counter() - t1, t1 - t0))
+            if failed is not None:
+                raise failed
+
+    def _plan_window(self, wid: str):
+        try:
+            return self.plan.window(wid) if self.plan is not None else None
+        except KeyError:
+            return None
+
+    def _window_checks(self, wid: str, kind: str, todo: list[Deferred], tapes: list[Tape], ran: list[Deferred],
+                       more: Callable[[], bool]) -> None:
+        """The checks of window ``wid``: the held update's, fingerprints still to be taken, the planned AGC replays
+        and deferred checks, unplanned ones and the previous iteration's carried ones while ``more()``."""
+        if not self._carried_due():
+            self._check_held(self.step)  # the previous iteration's update, once its carried checks ran
+        # fingerprints taken later next: they hold outputs alive (and P-DMR comparisons wait on them)
+        self._settle(more if self._side is None else (lambda: True))  # (on a stream: launched, not waited for)
+        for tape in tapes:  # planned for this window: they all run
+            tape.replayed = True
+            self._replay(tape, kind)
+        for d in todo:
+            if not more() and d.window != wid:
+                break
+            self._check(d, kind)
+            ran.append(d)
+        # the previous iteration's carried checks, in the time left (the rest in later windows or the drain)
+        if self._check_carried(more=more):
+            return  # one failed: both iterations are re-executed; the held update keeps its copy
+        if not self._carried_due():
+            self._check_held(self.step)
+        self.dynamic.at_dynamic_window(more, wid)
+
     def _check(self, d: Deferred, where: str) -> None:
+        if self._on_side is not None and d.held is not None:
+            _record_on(self._on_side, d.held["ins"])  # released by the check while the side stream still reads them
         try:
             got = d.run(before_update=self._before_update) if d.carried else d.run()
             got = self._fp(got) if isinstance(d.expect, (dops.Fingerprint, _Later)) else got
@@ -1389,12 +1545,19 @@ class DMREngine:
         except Exception as err:  # a checker that cannot run is a detection, not a crash of the step
             self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"checker failed: {err}")
             got = None
-        agree = (lambda: self._agree(d.name, d.expect, got)) if isinstance(d.expect, (dops.Fingerprint, _Later)) else (
-            lambda: dops.bitwise_equal(d.expect, got))
-        if got is not None and not agree():
+        self._window_spent += d.est_s
+
+        def differs() -> None:
             self._mismatch(d.op_id, d.name, d.phase, d.strategy, f"deferred check ({where}) differs")
             if d.carried:
                 self._rewind = True
+
+        if got is None:
+            pass
+        elif isinstance(d.expect, (dops.Fingerprint, _Later)):
+            self._compare(d.name, d.expect, got, differs)
+        elif not dops.bitwise_equal(d.expect, got):
+            differs()
         with self._lock:
             if d.carried:
                 self.carried_bytes -= d.nbytes
@@ -1444,8 +1607,12 @@ class DMREngine:
     # ---- profiling -------------------------------------------------------------------------------
     def _record(self, func, args, kwargs, kind: str | None, phase: str, op_id: str | None, dynamic: bool,
                 recompute_of: str | None = None) -> Any:
+        if self._sync is not None:  # (a profiled attempt: the op's own time on the device, not its launch's)
+            self._sync()
         t0 = time.perf_counter()
         out = _primary(func, args, kwargs)
+        if self._sync is not None:
+            self._sync()
         dt = time.perf_counter() - t0
         if op_id is None:  # a collective
             op_id = self._next_id("comm", False)
@@ -1517,6 +1684,16 @@ class DMREngine:
 
 
 _TRACKS_BASE: dict[Any, bool] = {}
+
+
+def _all_tensors(out: Any) -> bool:
+    return isinstance(out, torch.Tensor) or (isinstance(out, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in out))
+
+
+def _record_on(stream: Any, ts: list[torch.Tensor]) -> None:
+    """The caching allocator does not reuse these tensors' memory before ``stream``'s work queued so far is done."""
+    for t in ts:
+        t.record_stream(stream)
 
 
 def _tracks_base(func) -> bool:
@@ -1605,6 +1782,7 @@ class DMRGuard(StepGuard):
             return Verdict.retry(site="profile", reason="profiled this attempt (unverified); re-executed with the plan")
         eng._carry_sync_step = None  # (this verdict, reduced over every rank, judges the previous step's carried checks)
         eng.drain()
+        eng._read_flags()  # (the stream executor: every comparison of the iteration, in one transfer)
         if eng._rewind:  # a check carried from the previous iteration differs: its update read wrong gradients
             m = next(m for m in eng.mismatches if m.strategy == "carried")
             return Verdict.retry(site=m.site(), reason=f"{m.phase} op {m.name} of step {eng._carried_step} (checked "
@@ -1629,6 +1807,7 @@ class DMRGuard(StepGuard):
         self.engine.restore_before_update(step)
 
     def on_error(self, ctx, err: Exception) -> Verdict | None:
+        self.engine._read_flags()
         if not self.engine.mismatches:
             return None
         m = self.engine.mismatches[0]

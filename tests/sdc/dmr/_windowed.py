@@ -1,0 +1,50 @@
+"""A single-process trainer whose DMR engine takes the pipeline path, with one emulated transfer per step: the
+second micro-batch's forward first waits in a window (as a pipeline stage waits for its input), so the first
+micro-batch's checks are planned into it. Shared by the stream-executor tests (CPU and CUDA)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from trainguard.sdc.dmr.config import DMRConfig
+from trainguard.sdc.dmr.engine import DMREngine, attach
+from trainguard.train import Trainer, TrainerConfig
+
+SMALL = ["--model.dim", "32", "--model.n_heads", "2", "--model.ffn_hidden", "64", "--train.steps", "3",
+         "--data.max_bytes", "300000", "--data.seq_len", "16", "--data.batch_size", "4", "--train.eval_every", "0",
+         "--output.dir", "", "--output.progress", "false", "--train.activation_checkpoint", "full",
+         "--train.grad_accum", "2"]
+
+
+def trainer(batches, *extra: str) -> Trainer:
+    return Trainer(TrainerConfig.load(None, SMALL + list(extra)), batches=batches)
+
+
+def _sleep() -> Callable[[], object]:
+    return lambda: time.sleep(0.02)
+
+
+def windowed(t: Trainer, executor: str, transfer: Callable[[], Callable[[], object]] = _sleep, **cfg) -> DMREngine:
+    """``transfer()`` starts a transfer and returns its wait (by default a 20 ms sleep on the host)."""
+    eng = attach(t, DMRConfig(enabled=True, executor=executor, **cfg))
+    eng.deferrable = True
+    calls = []
+
+    def second_micro_batch_waits(module, inputs):
+        calls.append(1)
+        if len(calls) % 2 == 0:
+            eng.window("pp", transfer())
+
+    t.model.register_forward_pre_hook(second_micro_batch_waits)
+    return eng
+
+
+def params(t: Trainer) -> dict[str, torch.Tensor]:
+    return t.state_dict_for_compare()
+
+
+def equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
