@@ -46,6 +46,7 @@ from trainguard.train.host_memory import HeapPeak
 
 SYSTEMS = ("none", "naive", "sparetrain-p1", "sparetrain-p12", "sparetrain")
 PHASES = {"sparetrain-p1": (1,), "sparetrain-p12": (1, 2), "sparetrain": (1, 2, 3)}
+CALIBRATION_TOLERANCE = 0.005  # |measured - target| idle fraction at which the emulated link's calibration stops
 
 
 def _rss_bytes() -> int:
@@ -111,19 +112,27 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     sched = getattr(trainer.strategy, "schedule", None)
     target = float(spec.get("idle_fraction", 0.0))
     times, idle = _timed_steps(trainer, spec.get("warmup", 2))
-    delay = 0.0
+    delay, calibrated = 0.0, None
     if target > 0 and sched is not None:
         waits = max(1, sched.waits // max(1, trainer.step_idx))
-        for _ in range(3):  # scale the delay by the ratio of the idle odds, target over measured
+        # scale the delay by the ratio of the idle odds, target over measured, until the measured idle is within
+        # CALIBRATION_TOLERANCE of the target (a few points less idle time moves SpareTrain's overhead by points)
+        for _ in range(spec.get("calibration_rounds", 6)):
             t_step = _mean_over_ranks(statistics.median(times))
-            idle = _mean_over_ranks(idle)
+            idle = _mean_over_ranks(idle)  # (the same on every rank: every rank takes the same branch)
+            if delay > 0:
+                calibrated = idle
+                if abs(idle - target) <= CALIBRATION_TOLERANCE:
+                    break
             if delay == 0:
                 delay = max(0.0, (target * t_step - idle * t_step) / (waits * (1 - target)))
             else:
                 delay *= (target / (1 - target)) / max(idle / max(1 - idle, 1e-9), 1e-9)
             delay = _mean_over_ranks(delay)
             sched.link_delay_s = delay
-            times, idle = _timed_steps(trainer, 2)
+            times, idle = _timed_steps(trainer, 3)
+        else:
+            calibrated = _mean_over_ranks(idle)
     # profile one step (then re-executed under the plan) and plan it once per phase set
     _set_system(engine, trainer, "sparetrain")
     trainer.train_step()
@@ -161,6 +170,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     tokens = trainer.tokens_per_step
     out = {
         "rank": trainer.rank, "strategy": trainer.strategy.name, "link_delay_ms": delay * 1000,
+        "idle_fraction_calibrated": calibrated,
         "emulated_link": delay > 0, "tokens_per_step": tokens,
         "systems": {s: {"tokens_per_s": tokens / statistics.median(v["times"]), "step_s": statistics.median(v["times"]),
                         "idle_fraction": statistics.median(v["idle"]), "peak_rss_bytes": max(v["rss"]),
@@ -191,6 +201,7 @@ def merge(ranks: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
         "idle_fraction_measured": statistics.mean(r["systems"]["none"]["idle_fraction"] for r in ranks)
         if "none" in systems else None,
         "idle_fraction_emulated": ranks[0]["emulated_link"], "link_delay_ms": ranks[0]["link_delay_ms"],
+        "idle_fraction_calibrated": ranks[0].get("idle_fraction_calibrated"),
         "coverage": min(r["coverage"] for r in ranks), "detected_in_clean_runs": sum(r["detected"] for r in ranks),
         "peak_memory_bytes": {s: max(r["systems"][s][key] for r in ranks) for s in systems},
         "memory_measure": "heap in use during one untimed step (glibc mallinfo2, sampled)" if key == "peak_heap_bytes"
