@@ -72,3 +72,25 @@ def test_map_tensors_replaces_tensors_in_op_arguments_and_keeps_everything_else(
     assert torch.equal(got[0], a + 1) and torch.equal(got[1][0], b + 1) and torch.equal(got[1][2][0], a + 1)
     assert got[1][1] == 2.0 and got[1][2][1] is None and got[2]["alpha"] == 3 and torch.equal(got[2]["out"], b + 1)
     assert got[3] == torch.Size([2]) and got[4] == "x"
+
+
+def test_differs_judges_as_matches_does_and_leaves_the_verdict_on_the_device():
+    """``Fingerprint.differs`` (the stream executor's flags) must agree with ``matches`` in every case: equal, one
+    element a hair apart (bitwise: differs; within a tolerance: agrees), far apart, non-finite, other shapes."""
+    t = torch.randn(4096, dtype=torch.float64)
+    near = t.clone()
+    near[7] = torch.nextafter(near[7], torch.tensor(float("inf"), dtype=torch.float64))
+    far = t.clone()
+    far[7] += 1e3
+    inf = t.clone()
+    inf[7] = float("inf")
+    fp = lambda v: dops.Fingerprint.of(v, floats=True)  # noqa: E731
+    a = fp(t)
+    for other in (t.clone(), near, far, inf):
+        for rtol in (0.0, 1e-6):
+            d = a.differs(fp(other), rtol)
+            assert isinstance(d, torch.Tensor) and d.dtype == torch.bool and d.dim() == 0
+            assert bool(d) == (not a.matches(fp(other), rtol)), (rtol,)
+    assert not bool(a.differs(fp(t.clone()), 0.0)) and bool(a.differs(fp(near), 0.0))
+    assert not bool(a.differs(fp(near), 1e-6)) and bool(a.differs(fp(far), 1e-6)) and bool(a.differs(fp(inf), 1e-6))
+    assert a.differs(fp(t[:10]), 0.0) is True  # shapes differ: decided on the host

@@ -152,3 +152,20 @@ def test_a_window_launches_its_checkers_on_the_side_stream_before_the_wait_and_t
     assert enter[2] == 0 and leave[2] > 0  # the window's checks ran inside the side stream's context
     assert len(waits) == 1 and waits[0][0] == leave[2]  # all of them before the wait began
     assert all(e[-1] == main for e in rec.events) and waits[0][1] == main  # on the calling thread
+
+
+def test_tolerance_mode_comparisons_are_decided_at_the_verdict_too(batches, clean, tmp_path):
+    """On a GPU the tolerance mode is the common one (non-deterministic kernels): its comparisons leave flags too.
+    A report that gives matrix products a tolerance (CPU's are bitwise, so the clean run stays quiet) and an exponent
+    flip in one of them: found at the verdict through the float sums, and rolled back bitwise."""
+    from trainguard.sdc.dmr.determinism import FORMAT, save
+
+    save({"format": FORMAT, "ops": {"aten.mm.default": 1e-7}}, tmp_path / "det.json")
+    t, eng = _windowed(batches, "stream", compare="tolerance", determinism_report=str(tmp_path / "det.json"))
+    assert eng.rtol == {"aten.mm.default": pytest.approx(8e-7)}
+    inj = Injector(Fault(OpSite("aten.mm*", "backward", 3, compute_only=True), FaultModel("bitflip", field="exponent"),
+                         step=1), seed=5).attach(t)
+    results = [t.train_step() for _ in range(3)]
+    assert len(inj.records) == 1 and eng.totals["detected"] >= 1 and results[1].attempts == 2
+    assert eng.counts["flags-read"] > 0
+    assert equal(params(t), clean)

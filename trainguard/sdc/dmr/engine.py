@@ -889,7 +889,7 @@ class DMREngine:
     # leaves a flag on the device instead; the verdict reads them all in one transfer and acts on them in order.
     def _compare(self, name: str, expect: Any, got: Any, differs: Callable[[], None]) -> None:
         """``differs()`` when two fingerprints differ: at once, or when the verdict reads the flags."""
-        if self._flags is None or self.calibration is not None or self.cfg.compare != "bitwise":
+        if self._flags is None or self.calibration is not None:
             if not self._agree(name, expect, got):
                 differs()
             return
@@ -897,10 +897,11 @@ class DMREngine:
             expect, got = self._resolve(expect), self._resolve(got)
             if expect is None or got is None:
                 return  # counted as stale (not checkable), never as a detection
-        if expect.shapes != got.shapes or (expect.sums is None) != (got.sums is None):
+        differ = expect.differs(got, self.rtol.get(name, 0.0))
+        if isinstance(differ, torch.Tensor):
+            self._flag(differ, differs)
+        elif differ:
             differs()
-        elif expect.sums is not None:
-            self._flag(torch.ne(expect.sums, got.sums).any(), differs)
 
     def _flag(self, differ: torch.Tensor, differs: Callable[[], None], agrees: Callable[[], None] | None = None) -> None:
         with self._lock:

@@ -295,10 +295,22 @@ class Fingerprint:
             return other.sums is None
         if rtol <= 0 or self.floats is None or other.floats is None:
             return torch.equal(self.sums, other.sums)
+        return not bool(self.differs(other, rtol))
+
+    def differs(self, other: Fingerprint, rtol: float = 0.0) -> bool | torch.Tensor:
+        """Whether the two differ, as :meth:`matches` judges: a bool where the shapes decide, else a boolean tensor
+        on the sums' device (read later: no host synchronisation here)."""
+        if self.shapes != other.shapes or (self.sums is None) != (other.sums is None):
+            return True
+        if self.sums is None:
+            return False
+        if rtol <= 0 or self.floats is None or other.floats is None:
+            return torch.ne(self.sums, other.sums).any()
         a, b = self.floats.view(-1, 2), other.floats.view(-1, 2)
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            return False  # only finite executions can agree within a tolerance
-        return bool(((a[:, 0] - b[:, 0]).abs() <= rtol * a[:, 1].clamp_min(1e-30)).all())
+        # only finite executions can agree within a tolerance
+        agree = torch.isfinite(a).all() & torch.isfinite(b).all() & \
+            ((a[:, 0] - b[:, 0]).abs() <= rtol * a[:, 1].clamp_min(1e-30)).all()
+        return ~agree
 
     def gap(self, other: Fingerprint) -> float:
         """Largest relative difference of the float sums (0 when bitwise equal, inf when shapes or integer
