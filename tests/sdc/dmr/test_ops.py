@@ -84,7 +84,10 @@ def test_differs_judges_as_matches_does_and_leaves_the_verdict_on_the_device():
     far[7] += 1e3
     inf = t.clone()
     inf[7] = float("inf")
-    fp = lambda v: dops.Fingerprint.of(v, floats=True)  # noqa: E731
+
+    def fp(v):
+        return dops.Fingerprint.of(v, floats=True)
+
     a = fp(t)
     for other in (t.clone(), near, far, inf):
         for rtol in (0.0, 1e-6):
