@@ -169,3 +169,26 @@ def test_tolerance_mode_comparisons_are_decided_at_the_verdict_too(batches, clea
     assert len(inj.records) == 1 and eng.totals["detected"] >= 1 and results[1].attempts == 2
     assert eng.counts["flags-read"] > 0
     assert equal(params(t), clean)
+
+
+def test_every_flag_is_acted_on_before_a_handler_that_raised_is_reported():
+    """A held update's copies must follow its verdict whatever happens to another flag's handler: a handler that
+    raises does not drop the flags after it (dropped, a held update's copy would go stale)."""
+    import torch
+
+    from trainguard.sdc.dmr.config import DMRConfig
+    from trainguard.sdc.dmr.engine import DMREngine
+
+    eng = DMREngine(DMRConfig(enabled=True, executor="stream"))
+    eng._use_executor(torch.device("cpu"))
+    ran = []
+
+    def boom():
+        raise RuntimeError("boom")
+
+    eng._flag(torch.tensor(True), boom)
+    eng._flag(torch.tensor(False), lambda: ran.append("differs"), lambda: ran.append("agrees"))
+    eng._flag(torch.tensor(True), lambda: ran.append("differs2"))
+    with pytest.raises(RuntimeError, match="boom"):
+        eng._read_flags()
+    assert ran == ["agrees", "differs2"] and eng._flags == []

@@ -914,12 +914,18 @@ class DMREngine:
         flags, self._flags = self._flags, []
         values = torch.stack([f for f, _, _ in flags]).tolist()
         self.counts["flags-read"] += len(flags)
+        failed: BaseException | None = None
         with _checking():  # (a held update's tie-breaker runs here: an engine execution, not an op of the step)
             for differ, (_, differs, agrees) in zip(values, flags):
-                if differ:
-                    differs()
-                elif agrees is not None:
-                    agrees()
+                try:  # every flag is acted on (a held update's copies must follow its verdict) before one raises
+                    if differ:
+                        differs()
+                    elif agrees is not None:
+                        agrees()
+                except Exception as err:
+                    failed = failed or err
+        if failed is not None:
+            raise failed
 
     def _agree(self, name: str, expect: dops.Fingerprint, got: dops.Fingerprint) -> bool:
         if isinstance(expect, _Later) or isinstance(got, _Later):
