@@ -9,14 +9,12 @@ from collections.abc import Callable
 
 import torch
 
+from tests.sdc.dmr.test_engine import SMALL as ENGINE_SMALL
 from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import DMREngine, attach
 from trainguard.train import Trainer, TrainerConfig
 
-SMALL = ["--model.dim", "32", "--model.n_heads", "2", "--model.ffn_hidden", "64", "--train.steps", "3",
-         "--data.max_bytes", "300000", "--data.seq_len", "16", "--data.batch_size", "4", "--train.eval_every", "0",
-         "--output.dir", "", "--output.progress", "false", "--train.activation_checkpoint", "full",
-         "--train.grad_accum", "2"]
+SMALL = ENGINE_SMALL + ["--train.activation_checkpoint", "full", "--train.grad_accum", "2"]
 
 
 def trainer(batches, *extra: str) -> Trainer:

@@ -753,8 +753,9 @@ class DMREngine:
             # (the stream executor: no host synchronisation per op; decided at the verdict, like the deferred checks)
             one = written and out is written[0] and len(written) == 1
             a, b = (written, checked) if one else ((out, written), (out2, checked)) if written else (out, out2)
-            self._compare(dops.info(func).name, self._fp(a), self._fp(b), lambda: self._mismatch(
-                op_id, dops.info(func).name, phase, "naive", "primary and checker differ"))
+            name = dops.info(func).name
+            self._compare(name, self._fp(a), self._fp(b), lambda: self._mismatch(
+                op_id, name, phase, "naive", "primary and checker differ"))
             return out
         if written and out is written[0] and len(written) == 1:  # in place, returning what it wrote: one comparison
             same = self._same(func, written, checked)
@@ -1460,8 +1461,7 @@ class DMREngine:
 
         def work() -> None:
             try:
-                _CHECKING.active = True
-                with checker_execution():
+                with _checking():
                     self._window_checks(wid, kind, todo, tapes, ran, lambda: not closed.is_set())
             except BaseException as err:  # handed to the main thread: a checker never fails silently
                 failed.append(err)
@@ -1578,10 +1578,9 @@ class DMREngine:
         carry = [d for d in todo if d.window == CARRY]
         todo = [d for d in todo if d.window != CARRY] if carry else todo
         self.queued_bytes = 0
-        _CHECKING.active = True
         t0 = time.perf_counter()
         try:
-            with checker_execution():
+            with _checking():
                 if self._check_carried():  # (the previous iteration's, if no window ran them)
                     return  # both iterations are re-executed: nothing else of this one needs checking
                 if self._carry_sync():
@@ -1608,7 +1607,6 @@ class DMREngine:
                         self._replay(tape, "drain")
                 self.dynamic.drain()
         finally:
-            _CHECKING.active = False
             self.drain_s += time.perf_counter() - t0
 
     # ---- profiling -------------------------------------------------------------------------------
