@@ -1,7 +1,9 @@
 """The SpareTrain paper's worked examples (Figs. 7, 9, 10), planned by the static planner.
 
 The figures' numbers were lost in the text extraction; each test says what the paper's text fixes and what
-was reconstructed around it. The outcome asserted is always the paper's.
+was reconstructed around it. The outcome asserted is always the paper's. Figs. 7 and 9 are planned with the
+paper's model of P-DMR (``pdmr_tail="recompute"``: a segment's last op runs once more); the default checks it
+where it ran instead (``test_fig7_tail_checked_where_it_ran``).
 """
 
 import pytest
@@ -9,6 +11,8 @@ from _dmr_profiles import fig7_profile, fig9_profile, fig10_profile
 
 from trainguard.sdc.dmr.plan import coverage_report
 from trainguard.sdc.dmr.planner import PlannerConfig, agc_candidates, plan_static, select_agc
+
+PAPER12 = PlannerConfig(phases=(1, 2), pdmr_tail="recompute")
 
 
 @pytest.mark.parametrize("comm, expected", [(3.0, "naive"), (2.0, "naive"), (1.0, "p-dmr")])
@@ -18,7 +22,7 @@ def test_fig7_exception_rule(comm, expected):
     2 x recompute > the last op's extra communication, so here (2 < 3) naive DMR. Reconstructed: B_c = 2
     (the tie: not strictly greater, naive) and B_c = 1 (P-DMR) as the neighbouring cases; one input-
     gradient op per forward op (outside the segment, naive either way)."""
-    plan = plan_static(fig7_profile(comm=comm), PlannerConfig(phases=(1,)))
+    plan = plan_static(fig7_profile(comm=comm), PlannerConfig(phases=(1,), pdmr_tail="recompute"))
     seg = plan.pdmr_segments[0]
     assert seg.decision == ("naive (exception)" if expected == "naive" else "p-dmr")
     # the segment's forward ops and A's recompute share the decision; the collective is never re-executed
@@ -37,19 +41,37 @@ def test_fig7_exception_rule(comm, expected):
 
 def test_fig7_cheaper_choice_is_taken():
     """With B_c = 3 the exception makes the segment cost 3 (2 x A + B) instead of P-DMR's 4 (B_c + B)."""
-    naive = plan_static(fig7_profile(comm=3.0), PlannerConfig(phases=(1,))).summary["checker_critical_s"]
+    naive = plan_static(fig7_profile(comm=3.0), PlannerConfig(phases=(1,), pdmr_tail="recompute")).summary["checker_critical_s"]
     assert naive - 2.0 == 3.0 < 3.0 + 1.0
 
 
 def test_fig7_dynamic_segment_defaults_to_pdmr():
     """5.1, MoE: a segment holding a dynamic op gets P-DMR whatever its communication."""
-    plan = plan_static(fig7_profile(comm=50.0, dynamic=True), PlannerConfig(phases=(1,)))
+    plan = plan_static(fig7_profile(comm=50.0, dynamic=True), PlannerConfig(phases=(1,), pdmr_tail="recompute"))
     assert plan.pdmr_segments[0].decision == "p-dmr (dynamic)"
     assert plan.ops["A"].strategy == plan.ops["B"].strategy == "p-dmr"
 
 
+@pytest.mark.parametrize("comm", [3.0, 1.0])
+def test_fig7_tail_checked_where_it_ran(comm):
+    """Beyond the paper (``pdmr_tail = "defer"``, the default): B, which the profiled recompute does not replay, is
+    checked where it ran (naive with Phase 1 alone), so nothing repeats B_c: the segment keeps P-DMR for A whatever
+    B_c is, costs B on the critical path instead of B_c + B, and the recompute may stop early."""
+    plan = plan_static(fig7_profile(comm=comm), PlannerConfig(phases=(1,)))
+    seg = plan.pdmr_segments[0]
+    assert seg.decision == "p-dmr" and seg.tail_ops == ["B"] and seg.extra_run_s == 0
+    assert {k: plan.ops[k].strategy for k in ("A", "B", "A'", "Bc")} == {"A": "p-dmr", "B": "naive", "A'": "p-dmr",
+                                                                        "Bc": "comm"}
+    assert plan.summary["checker_critical_s"] == 1.0 + 2.0  # B's naive check + dA, dB
+    assert plan.pdmr_early_stop
+    # the paper's model: only a segment left naive by the exception (B_c = 3) lets the recompute stop early
+    paper = plan_static(fig7_profile(comm=comm), PlannerConfig(phases=(1,), pdmr_tail="recompute"))
+    assert paper.pdmr_early_stop == (paper.pdmr_segments[0].decision == "naive (exception)") == (comm == 3.0)
+    assert coverage_report(plan, fig7_profile(comm=comm)).fraction == 1.0
+
+
 def _block_candidates():
-    groups = agc_candidates(fig9_profile(), PlannerConfig(phases=(1, 2)))
+    groups = agc_candidates(fig9_profile(), PAPER12)
     assert [(g.block, g.microbatch) for g in groups] == [("layers.0", 0), ("layers.1", 0), ("layers.2", 0)]
     return groups
 
@@ -94,7 +116,7 @@ def test_fig9_constraints_and_named_segments():
 
 def test_fig9_plan_chooses_segment_2_in_every_block():
     profile = fig9_profile()
-    plan = plan_static(profile, PlannerConfig(phases=(1, 2)))
+    plan = plan_static(profile, PAPER12)
     assert len(plan.agc_segments) == 3
     for a, b in zip(plan.agc_segments, ["layers.0", "layers.1", "layers.2"]):
         assert a.block == b and a.window == "pp-bwd"

@@ -1,7 +1,7 @@
 """``trainguard plan dmr``: the SpareTrain DMR plan of one rank's training iteration.
 
-``plan dmr --profile PROFILE.json [--phases 1|1,2|1,2,3] [--memory-budget BYTES] [--out PLAN.json]
-[--figure FIG.png] [--json]`` reads a DMR profile (trainguard.sdc.dmr.profile), plans it
+``plan dmr --profile PROFILE.json [--phases 1|1,2|1,2,3] [--memory-budget BYTES] [--pdmr-tail defer|recompute]
+[--out PLAN.json] [--figure FIG.png] [--json]`` reads a DMR profile (trainguard.sdc.dmr.profile), plans it
 (trainguard.sdc.dmr.planner), prints the summary next to the No-DMR and Naive-Only baselines, writes the
 plan JSON and the timeline figure (trainguard.report.dmr_timeline). ``--model M [--pp 2] [--steps N]``
 profiles a model first with ``trainguard.sdc.dmr.profiler.profile_run`` where that exists.
@@ -41,6 +41,9 @@ def register_plan(subparsers) -> None:
     p.add_argument("--steps", type=int, default=3, help="profiled iterations for --model")
     p.add_argument("--phases", default="1,2,3", help="planner phases: 1, 1,2 or 1,2,3 (default)")
     p.add_argument("--memory-budget", default=None, help="device memory budget (default: the profile's), e.g. 80GiB")
+    p.add_argument("--pdmr-tail", choices=("defer", "recompute"), default="defer",
+                   help="the ops of a P-DMR segment the recompute does not replay: defer (default: left to Phases "
+                        "2-3, checked where they ran) or recompute (the paper's extra run on the critical path)")
     p.add_argument("--out", default="runs/plan-dmr/plan.json", help="plan JSON to write ('' to skip)")
     p.add_argument("--figure", default="runs/plan-dmr/timeline.png", help="timeline figure to write ('' to skip)")
     add_json_flag(p)
@@ -77,7 +80,7 @@ def run(args) -> int:
     if args.figure and Path(args.figure).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise ConfigError(f"--figure must end in .png, .svg or .pdf, got {args.figure!r}")
     profile, source = _profile(args)
-    plan = plan_static(profile, PlannerConfig(phases=phases, memory_budget_bytes=budget))
+    plan = plan_static(profile, PlannerConfig(phases=phases, memory_budget_bytes=budget, pdmr_tail=args.pdmr_tail))
     base = {"no-dmr": no_dmr(profile).summary, "naive-only": naive_only(profile).summary}
     fig = out = None
     try:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import attach
-from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
+from trainguard.sdc.dmr.planner import plan_static
 from trainguard.train import Trainer, TrainerConfig
 from trainguard.train.host_memory import HeapPeak
 
@@ -136,7 +136,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     # profile one step (then re-executed under the plan) and plan it once per phase set
     _set_system(engine, trainer, "sparetrain")
     trainer.train_step()
-    plans = {p: plan_static(engine.profile, PlannerConfig(phases=p, keep_outputs=not engine.cfg.fingerprints)) for p in PHASES.values()} \
+    plans = {p: plan_static(engine.profile, engine.planner_config(p)) for p in PHASES.values()} \
         if engine.profile is not None else None
     per: dict[str, dict[str, list]] = {s: {"times": [], "idle": [], "rss": [], "where": {}} for s in systems}
     rounds, steps = spec.get("rounds", 3), spec.get("steps", 3)

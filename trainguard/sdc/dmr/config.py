@@ -44,6 +44,11 @@ class DMRConfig:
                                    "place (add_, div_, mul_ on p.grad) is computed out of place and p.grad takes the "
                                    "result's storage, so its check is deferred like any other op instead of a copy and "
                                    "a second execution at once. false: checked at once")
+    pdmr_tail: Literal["defer", "recompute"] = setting(
+        "defer", help="the ops of an activation-checkpointed segment after the last tensor autograd saves (which "
+        "the recompute need not replay: an FFN's down projection and residual add): defer (checked where they ran, "
+        "in a window or at once, and the recompute stops early as without DMR) or recompute (the paper's P-DMR: "
+        "the recompute replays the whole segment, on the critical path)")
     executor: Literal["auto", "thread", "stream"] = setting(
         "auto", help="where deferred checkers run during a communication window: thread (a worker thread while the "
         "main thread waits: CPU), stream (a side stream of the device, launched before the wait, with comparisons "

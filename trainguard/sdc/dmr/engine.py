@@ -111,6 +111,7 @@ class _Segment:
     path: str
     records: list[tuple[str, str, dops.Fingerprint | None]] = field(default_factory=list)
     cursor: int = 0
+    call: int = -1  # the attempt's n-th execution of a checkpointed module (profiles: ``ac_call``)
 
 
 @dataclass
@@ -218,6 +219,7 @@ class DMREngine:
         self._profiling = False
         self._modules: list[str] = []
         self._optimizer_phase = False
+        self._setup = False  # inside a strategy's one-time set-up (window kind "setup")
         self._segments: list[tuple[_Segment, str]] = []  # stack of (segment, "forward" | "recompute")
         self._handles: list[Callable[[], Any]] = []
         self.queue: list[Deferred] = []
@@ -277,6 +279,7 @@ class DMREngine:
     def plan(self, plan: Plan | None) -> None:
         self._plan = plan
         self._index_plan()
+        self._set_early_stop()
 
     # ---- wiring ----------------------------------------------------------------------------------
     def attach(self, trainer) -> DMREngine:
@@ -326,8 +329,14 @@ class DMREngine:
         self._set_early_stop()
 
     def _set_early_stop(self) -> None:
-        if self._model is not None:  # P-DMR needs the segment's last op replayed; profiling and No-DMR do not
-            set_checkpoint_early_stop(self._model, not self.active or self._profiling)
+        """torch's checkpoint stops recomputing after the last tensor autograd saved, unless P-DMR needs the rest of
+        a segment run once more (a plan whose segments' tails are not checked by other strategies, or no plan).
+        Naive-Only checks every op where it runs: a recompute past the last saved tensor would only cost it time."""
+        if self._model is not None:
+            plan = self._plan
+            stop = not self.active or self._profiling or self.cfg.system == "naive" or (
+                plan is not None and plan.pdmr_early_stop)
+            set_checkpoint_early_stop(self._model, stop)
 
     def detach(self) -> None:
         self.settle()
@@ -410,6 +419,8 @@ class DMREngine:
 
     # ---- where an op is ----------------------------------------------------------------------------
     def phase(self) -> str:
+        if self._setup:
+            return "setup"
         if self._optimizer_phase or self.update_stage:  # clipping, optimizer and schedule: the update stage
             return "optimizer"
         if self._segments_recomputing():
@@ -436,7 +447,8 @@ class DMREngine:
     def _checkpoint_contexts(self):
         if not self.active:
             return contextlib.nullcontext(), contextlib.nullcontext()
-        seg = _Segment(self.module())
+        seg = _Segment(self.module(), call=self._ids["ac-call"])
+        self._ids["ac-call"] += 1
         return self._segment_context(seg, "forward"), self._segment_context(seg, "recompute")
 
     @contextlib.contextmanager
@@ -454,8 +466,11 @@ class DMREngine:
                     if r.id == last:
                         r.seg_last = True
                         break
+            # every forward op P-DMR checks must have been replayed (the recompute may stop early, after the last
+            # tensor autograd saved: the ops it leaves out are checked by other strategies); none may be added
             pdmr = any(r[2] is not None for r in seg.records)
-            if mode == "recompute" and pdmr and not self._profiling and seg.cursor != len(seg.records):
+            if mode == "recompute" and pdmr and not self._profiling and (
+                    seg.cursor > len(seg.records) or any(r[2] is not None for r in seg.records[seg.cursor:])):
                 self._mismatch(seg.records[min(seg.cursor, len(seg.records) - 1)][0], "segment", "recompute", "p-dmr",
                                f"{seg.path}: forward ran {len(seg.records)} ops, recompute {seg.cursor}")
 
@@ -527,7 +542,7 @@ class DMREngine:
     def _dispatch(self, func, args: tuple, kwargs: dict, swap=None) -> Any:
         inf = dops.info(func)
         if inf.kind != "compute":
-            if self._profiling and inf.kind == "comm":
+            if self._profiling and inf.kind == "comm" and not self._setup:
                 return self._record(func, args, kwargs, "C", self.phase(), None, False)
             if self.cfg.coverage:
                 self.coverage.append(("-", inf.name, self.phase(), inf.kind, None))
@@ -539,6 +554,12 @@ class DMREngine:
             return out
         phase = self.phase()
         name = inf.name
+        if phase == "setup":
+            op_id = self._next_id(phase, False)
+            if self.cfg.coverage:
+                self.coverage.append((op_id, name, phase, "naive", None))
+            self.counts["naive"] += 1
+            return self._naive(op_id, phase, func, args, kwargs)
         seg = self._segments[-1][0] if self._segments else None
         owner = self._owner(phase)
         dynamic = ".experts." in self.module() if phase in ("forward", "recompute") else bool(owner and owner[2])
@@ -1426,6 +1447,12 @@ class DMREngine:
         compute stream then waits for them, as the join does."""
         if not self.active:
             return wait()
+        if kind == "setup":  # (a handshake some steps run and others not: its ops are checked at once, ids apart)
+            self._setup = True
+            try:
+                return wait()
+            finally:
+                self._setup = False
         wid = f"{kind}:{self._windows[kind]}"
         self._windows[kind] += 1
         if self._profiling:
@@ -1641,7 +1668,8 @@ class DMREngine:
             out_bytes=sum(t.numel() * t.element_size() for t in outs),
             param_bytes=sum(t.numel() * t.element_size() for t in ins if self._is_param(t)),
             dynamic=dynamic, microbatch=max(self._micro, 0) if phase in ("forward", "recompute") else
-            (owner[3] if owner else 0), grad_of=owner[0] if owner else None, recompute_of=recompute_of)
+            (owner[3] if owner else 0), grad_of=owner[0] if owner else None, recompute_of=recompute_of,
+            ac_call=seg.call if seg is not None else -1)
         self._records.append(rec)
         self._last_op = op_id
         if len(self._records) % 16 == 0:
@@ -1663,13 +1691,17 @@ class DMREngine:
                                iteration_s=time.perf_counter() - self._t0, memory_budget_bytes=peak + headroom,
                                peak_bytes=peak, memory_curve=curve or [(0.0, peak)], blocks=blocks,
                                ops=self._records, windows=self._window_records)
-        self.plan = plan_static(self.profile, PlannerConfig(phases=tuple(self.cfg.phases),
-                                                            keep_outputs=not self.cfg.fingerprints))
+        self.plan = plan_static(self.profile, self.planner_config())
         self.budget_bytes = self.budget_bytes or headroom
         self.dynamic = DynamicPlanner(int(self.plan.summary.get("dynamic_budget_bytes") or headroom))
         self._profiling = False
         self._set_early_stop()
         return self.profile
+
+    def planner_config(self, phases: tuple[int, ...] | None = None) -> PlannerConfig:
+        """The planner settings this engine's config implies (``phases``: the ablation's, else the config's)."""
+        return PlannerConfig(phases=tuple(phases or self.cfg.phases), keep_outputs=not self.cfg.fingerprints,
+                             pdmr_tail=self.cfg.pdmr_tail)
 
     # ---- reporting -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:

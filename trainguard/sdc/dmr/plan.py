@@ -73,6 +73,9 @@ class PDMRSegment:
     last_comm_s: float  # communication the last op's extra run must repeat
     decision: str  # "p-dmr", "p-dmr (dynamic)" or "naive (exception)"
     absorbed_by: str | None = None  # an AGC segment that checks the whole segment instead (no extra run)
+    # ops after the last one the recompute replays (planner ``pdmr_tail = "defer"``): not P-DMR but checked by
+    # Phases 2-3 where they ran (``last_s`` is their time); empty: the last op's extra run (the paper's model)
+    tail_ops: list[str] = field(default_factory=list)
 
     @property
     def active(self) -> bool:
@@ -80,8 +83,9 @@ class PDMRSegment:
 
     @property
     def extra_run_s(self) -> float:
-        """Critical-path cost: the last op once more, with the communication gathering its inputs."""
-        return self.last_s + self.last_comm_s if self.active else 0.0
+        """Critical-path cost: the last op once more, with the communication gathering its inputs (none when the
+        tail is checked by other strategies)."""
+        return self.last_s + self.last_comm_s if self.active and not self.tail_ops else 0.0
 
 
 @dataclass
@@ -167,6 +171,12 @@ class Plan:
     def ops_with(self, strategy: str) -> list[str]:
         return [k for k, o in self.ops.items() if o.strategy == strategy]
 
+    @property
+    def pdmr_early_stop(self) -> bool:
+        """The recompute may stop after the last tensor autograd saved (torch's early stop): no P-DMR segment
+        needs the rest run once more (its tail is checked by another strategy, or its recompute replays it all)."""
+        return all(s.tail_ops or len(s.recompute_ops) >= len(s.ops) for s in self.pdmr_segments if s.active)
+
     # -- JSON ----------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -240,7 +250,8 @@ def _listed(plan: Plan) -> dict[str, list[tuple[str, str | None]]]:
     for s in plan.pdmr_segments:
         if s.active:
             for k in s.ops + s.recompute_ops:
-                listed[k].append(("p-dmr", None))
+                if k not in s.tail_ops:  # (a tail is checked by another strategy, listed where that one lists it)
+                    listed[k].append(("p-dmr", None))
     for a in plan.agc_segments:
         for k in a.ops:
             listed[k].append(("agc", a.id))

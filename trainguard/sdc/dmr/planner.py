@@ -4,7 +4,10 @@
 * Phase 1 (:func:`phase1_pdmr`): every op of an activation-checkpoint (AC) segment is checked by P-DMR
   (the recompute is the second execution; the segment's last op runs once more), except when naive DMR is
   cheaper (Fig. 7): ``2 x recompute time <= the communication the last op's extra run must repeat``;
-  segments with a dynamic (MoE) op always get P-DMR.
+  segments with a dynamic (MoE) op always get P-DMR. With ``pdmr_tail = "defer"`` (the default) the ops
+  the recompute does not replay (the segment's tail: torch's checkpoint stops recomputing after the last
+  tensor autograd saved) get no extra run on the critical path: they are left to Phases 2 and 3 like any
+  other op (checked in a window from their kept inputs, or naive at once when none fits).
 * Phase 2 (:func:`phase2_agc`): at most one activation-gradient-checkpoint (AGC) segment per transformer
   block and micro-batch, replayed in the pipeline (pp) window after the block's backward: enumerate,
   drop those over the block's memory headroom, drop those over its time slack, keep the largest gain.
@@ -25,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 from bisect import bisect_left, bisect_right
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, get_args
@@ -51,6 +54,10 @@ class PlannerConfig:
     # A deferred check keeps its op's outputs too (the paper's model). The engine keeps only a fingerprint
     # of them (``[sdc.dmr] fingerprints``), so it plans with False: the budget then holds more checks.
     keep_outputs: bool = True
+    # The ops of a P-DMR segment that the recompute does not replay (from the profile, which runs with torch's
+    # early stop on): "recompute" -> the paper's extra run (the recompute replays the whole segment, early stop
+    # off); "defer" -> left to Phases 2-3 (checked where they ran, no communication repeated; early stop on)
+    pdmr_tail: str = "defer"
 
 
 def parse_phases(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -219,32 +226,63 @@ def phase1_pdmr(st: _State) -> None:
     which must repeat the communication B_c gathering its inputs). The segment gets naive DMR (its ops are
     left to Phases 2-3, or naive) when ``2 x A <= B_c``, P-DMR otherwise; a segment holding a dynamic op
     gets P-DMR without the comparison. Forward ops and their recompute ops share the decision.
+
+    ``pdmr_tail = "defer"``: B is the segment's tail, the ops after the last one the profiled recompute replayed
+    (torch stops recomputing after the last tensor autograd saved). They are left to Phases 2-3, checked where
+    they ran: nothing gathers their inputs again (B_c = 0), so the exception never applies. Not in a profile with
+    dynamic (MoE) ops: their routing shifts the ids that tell the tail apart.
     """
-    fwd: dict[tuple[int, str], list[OpRecord]] = defaultdict(list)
-    rec: dict[tuple[int, str], list[OpRecord]] = defaultdict(list)
+    # one segment per execution of a checkpointed module (``ac_call``; a hand-written profile has none: one per
+    # micro-batch and module)
+    fwd: dict[tuple[int, str, int], list[OpRecord]] = defaultdict(list)
+    rec: dict[tuple[int, str, int], list[OpRecord]] = defaultdict(list)
     for o in st.ops:
         if o.ac_segment is None or o.kind == "C":
             continue
         if o.phase == "forward":
-            fwd[(o.microbatch, o.ac_segment)].append(o)
-        elif o.phase == "recompute":
-            rec[(o.microbatch, o.ac_segment)].append(o)
-    for (mb, ac), ops in fwd.items():
+            fwd[(o.microbatch, o.ac_segment, o.ac_call)].append(o)
+    forward_call = {o.id: k for k, ops in fwd.items() for o in ops}
+    forward_of = _forward_of(st)
+    for o in st.ops:
+        if o.ac_segment is not None and o.kind != "C" and o.phase == "recompute":
+            # (a recompute runs in backward: its execution is its forward twin's)
+            rec[forward_call.get(forward_of.get(o.id, ""), (o.microbatch, o.ac_segment, o.ac_call))].append(o)
+    calls = Counter((mb, ac) for mb, ac, _ in fwd)
+    # Tails are told apart by op id, and the ids of an MoE model's static ops shift with its routing (the dispatch
+    # around the experts runs once per expert that got tokens): its segments keep the extra run (early stop off)
+    tails = st.cfg.pdmr_tail == "defer" and not any(o.dynamic for o in st.ops)
+    for (mb, ac, call), ops in fwd.items():
         last = next((o for o in reversed(ops) if o.seg_last), None) or max(ops, key=lambda o: (o.seg_index, st.pos[o.id]))
-        recomputed = [o for o in ops if o is not last]
+        tail = _tail(ops, rec[(mb, ac, call)], forward_of) if tails else []
+        if tail:  # checked where they ran, by Phases 2-3: no extra run, no communication repeated
+            recomputed = [o for o in ops if o not in tail]
+            b, b_comm = sum(o.time_s for o in tail), 0.0
+        else:
+            recomputed = [o for o in ops if o is not last]
+            b, b_comm = last.time_s, last.comm_s
         a = sum(o.time_s for o in recomputed)
-        if any(o.dynamic for o in ops + rec[(mb, ac)]):
+        if any(o.dynamic for o in ops + rec[(mb, ac, call)]):
             decision = "p-dmr (dynamic)"
-        elif 2 * a <= last.comm_s:
+        elif 2 * a <= b_comm:
             decision = "naive (exception)"
         else:
             decision = "p-dmr"
-        seg = PDMRSegment(f"mb{mb}:{ac}", ac, mb, [o.id for o in ops], [o.id for o in rec[(mb, ac)]], last.id,
-                          a, last.time_s, last.comm_s, decision)
+        sid = f"mb{mb}:{ac}" + (f"#{call}" if calls[(mb, ac)] > 1 else "")
+        seg = PDMRSegment(sid, ac, mb, [o.id for o in ops], [o.id for o in rec[(mb, ac, call)]], last.id,
+                          a, b, b_comm, decision, tail_ops=[o.id for o in tail])
         st.pdmr.append(seg)
         if decision.startswith("p-dmr"):
             for k in seg.ops + seg.recompute_ops:
-                st.assign(k, "p-dmr")
+                if k not in seg.tail_ops:
+                    st.assign(k, "p-dmr")
+
+
+def _tail(ops: list[OpRecord], recompute: list[OpRecord], forward_of: dict[str, str]) -> list[OpRecord]:
+    """The segment's forward ops after the last one its (profiled) recompute replayed; [] when the profile has no
+    recompute of it (a hand-written profile: the paper's model, the last op's extra run)."""
+    replayed = {forward_of.get(r.id) for r in recompute}
+    last = max((x for x, o in enumerate(ops) if o.id in replayed), default=None)
+    return ops[last + 1:] if last is not None else []
 
 
 # -- Phase 2 -------------------------------------------------------------------------------------------
@@ -366,7 +404,7 @@ def _enumerate(st: _State, g: AGCGroup, comm: _CommIndex, slack_s: float | None 
     for s in st.pdmr:
         if s.active and s.microbatch == g.microbatch and all(k in index for k in s.ops):
             xs = [index[k] for k in s.ops]
-            segs.append((min(xs), max(xs), s.last_s + s.last_comm_s, s.id))
+            segs.append((min(xs), max(xs), s.extra_run_s, s.id))
     cap = max(1, st.cfg.agc_max_forward_ops)
     limit = (slack_s or 0.0) * (1 + _TOL) + _TOL
     for i in range(n):

@@ -43,6 +43,7 @@ class OpRecord:
     # Added for the planners (optional; defaults keep older profiles valid):
     param_bytes: int = 0  # bytes of in_bytes that are parameters (kept alive anyway: not retained by deferral)
     recompute_of: str | None = None  # for recompute ops: the forward op they re-execute, when known
+    ac_call: int = -1  # which execution of its AC segment (a module checkpointed twice in a micro-batch), -1: unknown
 
 
 @dataclass

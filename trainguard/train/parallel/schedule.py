@@ -69,7 +69,13 @@ class WindowedSchedule1F1B(Schedule1F1B):
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
                            loss_kwargs=None):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
-        self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None, loss_kwargs)
+
+        def initialize() -> None:
+            self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None,
+                                   loss_kwargs)
+        # a handshake and shape inference on the first step and after a switch between evaluation and training (a
+        # no-op otherwise): its ops are not the step's (DMR gives them ids of their own, so the step's match its profile)
+        self.on_wait("setup", initialize) if self.on_wait is not None else initialize()
         stage, n = self._stage, self._n_microbatches
         warmup = min(n, self._num_stages - stage.stage_index)
         fwd = bwd = 0
