@@ -4,7 +4,7 @@ import importlib.util
 import json
 
 import pytest
-from _dmr_profiles import synthetic_profile
+from _dmr_profiles import fig7_profile, synthetic_profile
 
 from trainguard.cli.main import main
 from trainguard.sdc.dmr.plan import Plan, coverage_report
@@ -55,6 +55,24 @@ def test_phases_and_budget_flags(capsys, profile_path):
     assert rc == 0 and s["memory_budget_bytes"] == 0 and s["checker_hidden_s"] == 0
     rc, out, _ = _run(capsys, "--profile", str(profile_path), "--memory-budget", "1GiB", "--out", "", "--figure", "", "--json")
     assert json.loads(out.strip().splitlines()[-1])["summary"]["memory_budget_bytes"] == 2**30
+
+
+def test_pdmr_tail_flag(tmp_path, capsys):
+    """Fig. 7's segment (B_c = 1): the paper's extra run of B costs B + B_c on the critical path; the default checks B
+    where it ran (naive with Phase 1 alone) and repeats no communication."""
+    path = tmp_path / "fig7.json"
+    fig7_profile(comm=1.0).save(path)
+    got = {}
+    for tail in ("recompute", "defer"):
+        rc, out, _ = _run(capsys, "--profile", str(path), "--phases", "1", "--pdmr-tail", tail, "--out", "",
+                          "--figure", "", "--json")
+        assert rc == 0
+        got[tail] = json.loads(out.strip().splitlines()[-1])["summary"]
+    assert got["recompute"]["pdmr_extra_runs_s"] == 2.0 and got["defer"]["pdmr_extra_runs_s"] == 0
+    assert got["defer"]["checker_critical_s"] == got["recompute"]["checker_critical_s"] - 1.0  # B_c saved
+    with pytest.raises(SystemExit) as bad:  # (argparse's choices: one line naming the flag, exit 2)
+        main(["plan", "dmr", "--profile", str(path), "--pdmr-tail", "sometimes"])
+    assert bad.value.code == 2 and "--pdmr-tail" in capsys.readouterr().err
 
 
 def test_human_output(capsys, profile_path):

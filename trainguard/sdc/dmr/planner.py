@@ -255,7 +255,7 @@ def phase1_pdmr(st: _State) -> None:
         last = next((o for o in reversed(ops) if o.seg_last), None) or max(ops, key=lambda o: (o.seg_index, st.pos[o.id]))
         tail = _tail(ops, rec[(mb, ac, call)], forward_of) if tails else []
         if tail:  # checked where they ran, by Phases 2-3: no extra run, no communication repeated
-            recomputed = [o for o in ops if o not in tail]
+            recomputed = ops[:len(ops) - len(tail)]
             b, b_comm = sum(o.time_s for o in tail), 0.0
         else:
             recomputed = [o for o in ops if o is not last]
