@@ -10,11 +10,24 @@ from collections.abc import Callable
 import torch
 
 from tests.sdc.dmr.test_engine import SMALL as ENGINE_SMALL
+from trainguard.data import PackedBatches
 from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import DMREngine, attach
 from trainguard.train import Trainer, TrainerConfig
 
 SMALL = ENGINE_SMALL + ["--train.activation_checkpoint", "full", "--train.grad_accum", "2"]
+
+
+def small_batches() -> PackedBatches:
+    return PackedBatches.from_config(TrainerConfig.load(None, SMALL).data)
+
+
+def clean_params(batches, steps: int = 3) -> dict[str, torch.Tensor]:
+    """The parameters after ``steps`` fault-free steps without DMR (what every run must end bitwise equal to)."""
+    t = trainer(batches)
+    for _ in range(steps):
+        t.train_step()
+    return params(t)
 
 
 def trainer(batches, *extra: str) -> Trainer:

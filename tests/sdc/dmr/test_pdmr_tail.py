@@ -8,23 +8,18 @@ waits for its input), micro-batch 1's have none before the backward."""
 
 import pytest
 
-from tests.sdc.dmr._windowed import SMALL, equal, params, trainer, windowed
-from trainguard.data import PackedBatches
+from tests.sdc.dmr._windowed import clean_params, equal, params, small_batches, trainer, windowed
 from trainguard.faults import Fault, FaultModel, Injector, OpSite
-from trainguard.train import TrainerConfig
 
 
 @pytest.fixture(scope="module")
 def batches():
-    return PackedBatches.from_config(TrainerConfig.load(None, SMALL).data)
+    return small_batches()
 
 
 @pytest.fixture(scope="module")
 def clean(batches):
-    t = trainer(batches)
-    for _ in range(3):
-        t.train_step()
-    return params(t)
+    return clean_params(batches)
 
 
 def _planned(batches, executor="thread", **cfg):
