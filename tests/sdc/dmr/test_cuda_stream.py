@@ -104,5 +104,8 @@ def test_a_bit_flip_is_detected_at_the_verdict_and_rolled_back_bitwise_on_cuda(b
     inj = Injector(Fault(OpSite("*", "backward", 23, compute_only=True), FaultModel("bitflip", field="exponent"),
                          step=1), seed=5).attach(t)
     attempts = [t.train_step().attempts for _ in range(3)]
-    assert len(inj.records) == 1 and eng.totals["detected"] >= 1 and attempts[1] == 2
+    # step 0 is profiled and re-executed; one more for the fault: step 1's, or step 2's where the flipped op was the
+    # last micro-batch's and its check was carried past the update (on CUDA the fused attention backward is one op,
+    # so an occurrence lands later in the step than on the CPU: on an H200 this one was carried)
+    assert len(inj.records) == 1 and eng.totals["detected"] >= 1 and sum(attempts) >= 5, attempts
     assert equal(params(t), params(clean))

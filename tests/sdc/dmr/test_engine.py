@@ -141,6 +141,7 @@ def test_campaign_every_phase_detected_and_bitwise(batches):
     res = run_rank({"overrides": overrides, "trials": 8, "seed": 3, "phase": "any", "steps": 2, "model": "tiny"})
     assert res["trials"] == 8 and res["detected"] == 8 and res["silent"] == 0 and res["false_positives"] == 0
     assert res["rollback_bitwise_equal"] == 8 and res["unreached"] == 0
+    assert res["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
     assert len({r["phase"] for r in res["results"]}) >= 3
 
 

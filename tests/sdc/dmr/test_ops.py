@@ -97,3 +97,18 @@ def test_differs_judges_as_matches_does_and_leaves_the_verdict_on_the_device():
     assert not bool(a.differs(fp(t.clone()), 0.0)) and bool(a.differs(fp(near), 0.0))
     assert not bool(a.differs(fp(near), 1e-6)) and bool(a.differs(fp(far), 1e-6)) and bool(a.differs(fp(inf), 1e-6))
     assert a.differs(fp(t[:10]), 0.0) is True  # shapes differ: decided on the host
+
+
+def test_outputs_and_flags_on_two_devices_are_fingerprinted_and_stacked_on_the_accelerator():
+    """CUDA's memory-efficient attention returns its RNG seed and offset as CPU scalars beside its CUDA outputs,
+    and a step's flags come from CPU and device comparisons: both are stacked on the accelerator (here the meta
+    device stands in for it; a plain ``torch.stack`` refuses the mix)."""
+    out = (torch.empty(4, 8, device="meta"), torch.tensor(7), torch.tensor(9))
+    fp = dops.Fingerprint.of(out, floats=True)
+    assert fp.sums.device.type == "meta" and fp.sums.shape == (6,) and fp.floats.device.type == "meta"
+    flags = [torch.tensor(False), torch.ones((), dtype=torch.bool, device="meta")]
+    assert dops.stack(flags).device.type == "meta"
+    cpu = [torch.tensor(True), torch.tensor(False)]
+    assert dops.stack(cpu).tolist() == [True, False]
+    with pytest.raises(RuntimeError):
+        torch.stack(flags)

@@ -124,6 +124,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         bar.stop()
     summary["rank"] = rank
     summary["executor"] = executor
+    summary["device"] = str(first.device)
     first.close()  # (the first trainer created the process group of a pipeline run: it closes it)
     return summary
 

@@ -768,7 +768,7 @@ class DMREngine:
             out2 = func(*checker_args, **checker_kwargs)
             checked = [copies[id(t)] for t in written]
         else:
-            out2 = func(*args, **kwargs)
+            out2 = dops.clear_unset(func, args, kwargs, func(*args, **kwargs))
         rng.forward()  # and the run continues from the state after the primary
         if not repair and self._flags is not None and self.cfg.fingerprints and _all_tensors(out):
             # (the stream executor: no host synchronisation per op; decided at the verdict, like the deferred checks)
@@ -934,7 +934,7 @@ class DMREngine:
         if not self._flags:
             return
         flags, self._flags = self._flags, []
-        values = torch.stack([f for f, _, _ in flags]).tolist()
+        values = dops.stack([f for f, _, _ in flags]).tolist()
         self.counts["flags-read"] += len(flags)
         failed: BaseException | None = None
         with _checking():  # (a held update's tie-breaker runs here: an engine execution, not an op of the step)
@@ -1093,7 +1093,7 @@ class DMREngine:
         self._run_update(h, chk)
         self.counts["optimizer-held-checked"] += 1
         if self._flags is not None:  # decided when the verdict reads the flag (nothing reads the copies before)
-            differ = torch.stack([torch.ne(dops.int_view(c), dops.int_view(t)).any()
+            differ = dops.stack([torch.ne(dops.int_view(c), dops.int_view(t)).any()
                                   for n in h.written for c, t in zip(chk[n], live[n])]).any()
             self._flag(differ, lambda: self._held_differs(h, live, pre, chk), lambda: self._held_agrees(h, live, pre, chk))
         elif all(dops.bitwise_equal(chk[n], live[n]) for n in h.written):
@@ -1728,9 +1728,11 @@ def _all_tensors(out: Any) -> bool:
 
 
 def _record_on(stream: Any, ts: list[torch.Tensor]) -> None:
-    """The caching allocator does not reuse these tensors' memory before ``stream``'s work queued so far is done."""
+    """The caching allocator does not reuse these tensors' memory before ``stream``'s work queued so far is done
+    (device tensors only: an op's inputs can include host ones, such as a batch's token ids or a CPU scalar)."""
     for t in ts:
-        t.record_stream(stream)
+        if t.is_cuda:
+            t.record_stream(stream)
 
 
 def _tracks_base(func) -> bool:
@@ -1754,7 +1756,18 @@ def _primary(func, args, kwargs):
     before = getattr(_INJECTOR_FLAG, "active", False)
     _INJECTOR_FLAG.active = False
     try:
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+    finally:
+        _INJECTOR_FLAG.active = before
+    return _checker(dops.clear_unset, func, args, kwargs, out) if dops.info(func).unset else out
+
+
+def _checker(fn, *args):
+    """``fn(*args)`` as an engine execution (invisible to the fault injector)."""
+    before = getattr(_INJECTOR_FLAG, "active", False)
+    _INJECTOR_FLAG.active = True
+    try:
+        return fn(*args)
     finally:
         _INJECTOR_FLAG.active = before
 

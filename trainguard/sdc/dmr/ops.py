@@ -7,7 +7,9 @@ Classes (:func:`classify`):
   (a second all-reduce would be a different collective, and the peers would wait for it);
 * ``alloc`` — ``empty*`` (uninitialised memory: two executions legitimately differ) and profiler markers;
 * ``compute`` — everything else, in-place ops included. Ops tagged ``nondeterministic_seeded`` (random
-  ops, SDPA with dropout) are re-executed with the generator state replayed.
+  ops, SDPA with dropout) are re-executed with the generator state replayed. The fused attention kernels of
+  CUDA return their RNG seed and offset uninitialised when they draw nothing (``dropout_p == 0``): two
+  executions differ there by whatever the memory held, so :func:`clear_unset` zeroes them after each.
 
 Comparison is **bitwise** (the integer views of the outputs are equal; NaN equals the same NaN) where
 execution is deterministic, as on CPU, or within a **calibrated tolerance** per op name (see
@@ -38,9 +40,15 @@ class OpInfo:
     kind: str  # compute | view | comm | alloc
     random: bool  # draws random numbers (seeded tag or a generator argument)
     written: tuple[tuple[int, str], ...]  # (position, name) of the arguments it writes
+    unset: tuple[int, ...] = ()  # outputs left uninitialised when ``dropout_p`` (argument ``dropout_at``) is 0
+    dropout_at: int = -1
 
 
 _INFO: dict[Any, OpInfo] = {}
+# Outputs of the fused attention kernels (efficient, flash, cuDNN) that only carry the dropout RNG's state: the
+# kernels allocate them with ``at::empty`` and write nothing there when ``dropout_p`` is 0 (backward reads them
+# only when it is not).
+_RNG_STATE_OUTPUTS = ("philox_seed", "philox_offset", "rng_state", "unused")
 
 
 def info(func) -> OpInfo:
@@ -49,8 +57,23 @@ def info(func) -> OpInfo:
         args = func._schema.arguments
         written = tuple((i, a.name) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
         rnd = is_random(func) or any(a.name == "generator" for a in args)
-        got = _INFO[func] = OpInfo(str(func), classify(func), rnd, written)
+        dropout_at = next((i for i, a in enumerate(args) if a.name == "dropout_p"), -1)
+        unset = tuple(i for i, r in enumerate(func._schema.returns) if r.name in _RNG_STATE_OUTPUTS) \
+            if dropout_at >= 0 else ()
+        got = _INFO[func] = OpInfo(str(func), classify(func), rnd, written, unset, dropout_at)
     return got
+
+
+def clear_unset(func, args: tuple, kwargs: dict, out: Any) -> Any:
+    """``out`` with the outputs a fused attention kernel left uninitialised (no dropout: see
+    :data:`_RNG_STATE_OUTPUTS`) zeroed, so that two executions compare equal there; every other op as is."""
+    inf = info(func)
+    if inf.unset:
+        p = args[inf.dropout_at] if len(args) > inf.dropout_at else kwargs.get("dropout_p", 0.0)
+        if p == 0:
+            for i in inf.unset:  # (as integers of the same width: CUDA's fill has no kernel for every uint)
+                out[i].view(_INT_VIEW[out[i].element_size()]).zero_()
+    return out
 
 
 def classify(func) -> str:
@@ -212,8 +235,7 @@ def checksums_equal(a: Any, b: Any) -> bool:
         return True
     if sum(x.numel() * x.element_size() for x in xs) <= _SMALL_BYTES:
         return all(torch.equal(int_view(x), int_view(y)) for x, y in zip(xs, ys))
-    return torch.equal(torch.stack([s for x in xs for s in word_sums(x)]),
-                       torch.stack([s for y in ys for s in word_sums(y)]))
+    return torch.equal(stack([s for x in xs for s in word_sums(x)]), stack([s for y in ys for s in word_sums(y)]))
 
 
 def bitwise_equal(a: Any, b: Any) -> bool:
@@ -236,6 +258,17 @@ def bitwise_equal(a: Any, b: Any) -> bool:
         elif x != y and not (x != x and y != y):  # NaN scalars are equal here
             return False
     return True
+
+
+def stack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack`` of scalars that may live on two devices: an op's outputs can (CUDA's memory-efficient and
+    flash attention return their RNG seed and offset as CPU scalars), and so can a step's comparison flags. The
+    CPU ones join the accelerator's, so that one transfer reads them all."""
+    devices = {p.device for p in parts}
+    if len(devices) > 1:
+        device = next(d for d in devices if d.type != "cpu")
+        parts = [p.to(device, non_blocking=True) for p in parts]
+    return torch.stack(parts)
 
 
 def word_sums(t: torch.Tensor) -> list[torch.Tensor]:
@@ -285,8 +318,8 @@ class Fingerprint:
             for t in ts:
                 d = t.detach().double()
                 fp += [d.sum(), d.abs().sum()]
-            fl = torch.stack(fp)
-        return cls(shapes, torch.stack(parts), fl)
+            fl = stack(fp)
+        return cls(shapes, stack(parts), fl)
 
     def matches(self, other: Fingerprint, rtol: float = 0.0) -> bool:
         if self.shapes != other.shapes:
