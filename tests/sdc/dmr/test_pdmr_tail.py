@@ -85,3 +85,21 @@ def test_the_papers_extra_run_replays_the_whole_segment(batches, clean):
     assert eng.counts["p-dmr-checked"] == sum(len(s.ops) for s in eng.plan.pdmr_segments)
     assert _recomputed_unchecked_by_pdmr(eng) == 0
     assert equal(params(t), clean)
+
+
+@pytest.mark.parametrize("executor", ["thread", "stream"])
+def test_faults_in_both_tails_and_the_backward_of_one_step_and_the_recompute_of_the_next(batches, clean, executor):
+    """Several faults where they meet: a deferred tail, a tail checked at once and a backward op in the same step,
+    then a fault in the next step's recompute. Each step is retried once and the run ends bitwise equal."""
+    t, eng = _planned(batches, executor)
+    tails = dict((s, k) for k, s in _tail_mms(eng))
+    flip = FaultModel("bitflip", field="exponent")
+    faults = [Fault(OpSite("aten.mm.default", "forward", tails["d-inter"], compute_only=True), flip, step=1),
+              Fault(OpSite("aten.mm.default", "forward", tails["naive"], compute_only=True), flip, step=1),
+              Fault(OpSite("*", "backward", 9, compute_only=True), flip, step=1),
+              Fault(OpSite("*", "recompute", 4, compute_only=True), flip, step=2)]
+    inj = Injector(faults, seed=4).attach(t)
+    attempts = [t.train_step().attempts for _ in range(2)]  # (steps 1 and 2: step 0 was the profiled one)
+    assert len(inj.records) == 4 and eng.totals["detected"] >= 4 and attempts == [2, 2], attempts
+    assert eng.totals["stale"] == 0
+    assert equal(params(t), clean)
