@@ -101,12 +101,34 @@ elif mode.startswith("dmrroute:"):  # dmrroute:R:K: rank R's first router output
     if trainer.rank == int(rank):
         site = ModuleSite("*router", 0)
         injector = Injector(Fault(site, FaultModel("value", value=1e4), step=int(step), index=1)).attach(trainer)
+elif mode.startswith("dmragc:"):  # dmragc:R:K: a bit flip at step K in rank R's first backward op that the plan
+    # (made in step 0) checks by an AGC segment's replay; run by train_step(), as dmrloop
+    _, agc_rank, agc_step = mode.split(":")
 elif mode.startswith("abft:"):
     layer = int(mode.split(":")[1])
     # (row 1, column 1) of the first head's scores: kept by the causal mask
     fault = Fault(ProductSite("scores", layer=layer), FaultModel("nan"), step=1, index=cfg.data.seq_len + 1)
     injector = Injector(fault).attach(trainer)
-if mode.startswith("dmrloop:"):
+agc = {}
+if mode.startswith("dmragc:"):
+    trainer.train_step()  # step 0: profiled, planned, re-executed under the plan
+    eng = handles["dmr"]
+    segments = eng.plan.agc_segments
+    agc.update(segments=len(segments), mismatches=[])
+    found = eng._mismatch  # (every mismatch the engine reports, with the strategy that found it)
+    eng._mismatch = lambda op_id, name, phase, strategy, detail: (agc["mismatches"].append((op_id, strategy)),
+                                                                  found(op_id, name, phase, strategy, detail))
+    if trainer.rank == int(agc_rank) and segments:
+        agc["op"] = op = next(o for o in segments[0].bw_ops if o.startswith("backward:"))
+        name = next(o.name for o in eng.profile.ops if o.id == op)
+        same = [o.id for o in eng.profile.ops if o.phase == "backward" and o.name == name]  # (as the injector counts)
+        site = OpSite(name, "backward", same.index(op), compute_only=True)
+        injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(agc_step)), seed=1).attach(trainer)
+    for _ in range(1, cfg.train.steps):
+        trainer.train_step()
+    trainer.settle()
+    summary = None
+elif mode.startswith("dmrloop:"):
     for _ in range(n_steps or cfg.train.steps):
         trainer.train_step()
     trainer.settle()  # on every rank, as a checkpoint or an evaluation would
@@ -115,7 +137,8 @@ else:
     summary = trainer.run(n_steps)
 trainer.close()
 abft = handles["abft"].total() if "abft" in handles else {}
-fired = bool(mode.startswith(("abft:", "dmr:", "dmrocc:", "dmrloop:", "dmrsite:", "dmradam:", "dmrroute:")) and "injector" in globals()
+fired = bool(mode.startswith(("abft:", "dmr:", "dmrocc:", "dmrloop:", "dmrsite:", "dmradam:", "dmrroute:", "dmragc:"))
+             and "injector" in globals()
              and injector.records)
 dmr = handles.get("dmr")
 sched = getattr(trainer.strategy, "schedule", None)
@@ -123,5 +146,5 @@ torch.save({"state": trainer.state_dict_for_compare(), "steps": steps, "summary"
             "abft": abft,
             "fired": fired, "rank": trainer.rank, "waits": waits,
             "dmr": dict(dmr.totals) if dmr else {}, "dmr_coverage": dmr.coverage_report()["coverage"] if dmr else None,
-            "dmr_counts": dict(dmr.counts) if dmr else {}, "wait_s": getattr(sched, "wait_s", 0.0)},
+            "dmr_counts": dict(dmr.counts) if dmr else {}, "wait_s": getattr(sched, "wait_s", 0.0), "agc": agc},
            f"{out}/rank{trainer.rank}.pt")

@@ -177,6 +177,19 @@ def test_dmr_stream_executor_on_two_stages_detects_decides_at_the_verdict_and_en
 
 
 @pytest.mark.slow
+def test_dmr_a_fault_in_an_agc_segment_is_found_by_its_replay_and_ends_bitwise(tmp_path, clean_pp2):
+    """A bit flip in the first backward op of an AGC segment (Phase 2: the segment is replayed from its boundary
+    tensors in a window, its outputs compared with the primary's): the replay finds it, and the run ends bitwise."""
+    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true"]
+    got = run_dist(tmp_path, "agc", 2, "dmragc:0:2", *PP, *dmr)
+    assert got[0]["agc"]["segments"] >= 1 and got[0]["fired"], got[0]["agc"]
+    assert [s for _, s in got[0]["agc"]["mismatches"]] == ["agc"], got[0]["agc"]
+    assert any(k.startswith("agc-replayed-in-") for k in got[0]["dmr_counts"])
+    assert all(r["dmr_coverage"] == 1.0 for r in got)
+    assert_bitwise(got, clean_pp2)
+
+
+@pytest.mark.slow
 def test_dmr_a_fault_in_the_last_micro_batch_backward_is_found_after_the_update_and_both_steps_re_executed(
         tmp_path, clean_pp2):
     """Stage 0's last micro-batch backward has no transfer after it before the update: its checks are carried into

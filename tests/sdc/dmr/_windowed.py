@@ -22,9 +22,9 @@ def small_batches() -> PackedBatches:
     return PackedBatches.from_config(TrainerConfig.load(None, SMALL).data)
 
 
-def clean_params(batches, steps: int = 3) -> dict[str, torch.Tensor]:
+def clean_params(batches, *extra: str, steps: int = 3) -> dict[str, torch.Tensor]:
     """The parameters after ``steps`` fault-free steps without DMR (what every run must end bitwise equal to)."""
-    t = trainer(batches)
+    t = trainer(batches, *extra)
     for _ in range(steps):
         t.train_step()
     return params(t)

@@ -60,3 +60,41 @@ def test_clean_steps_raise_no_alarm_with_an_attention_kernel_that_leaves_outputs
     eng = attach(t, DMRConfig(enabled=True, system=system))
     assert [t.train_step().attempts for _ in range(3)] == [1, 1, 1]
     assert eng.totals["detected"] == 0
+
+
+def test_a_fused_attention_without_dropout_is_not_a_random_call():
+    q = torch.randn(1, 2, 4, 8)
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert dops.info(sdpa).random  # (tagged: it takes a dropout probability)
+    assert not dops.random_call(dops.info(sdpa), (q, q, q, 0.0), {})
+    assert not dops.random_call(dops.info(sdpa), (q, q, q), {"dropout_p": 0.0})
+    assert dops.random_call(dops.info(sdpa), (q, q, q, 0.1), {})
+    assert dops.random_call(dops.info(sdpa), (q, q, q), {"dropout_p": 0.1})
+    drop = torch.ops.aten.native_dropout.default
+    assert dops.random_call(dops.info(drop), (q, 0.0, True), {})  # (no dropout_p argument: random as tagged)
+    assert not dops.random_call(dops.info(torch.ops.aten.mm.default), (q, q), {})
+
+
+def test_a_fused_attention_without_dropout_is_checked_in_the_window(batches):  # noqa: F811
+    """Without activation checkpointing the first micro-batch's forward ops are checked in the window (deferred or
+    replayed by an AGC segment): the attention kernel too, now that it draws no random numbers (before, a random op
+    was checked at once, on the critical path). (A bit flip cannot be aimed at it: the fault injector leaves ops
+    whose outputs are tuples alone.)"""
+    from tests.sdc.dmr._windowed import clean_params, equal, params, trainer, windowed
+
+    no_ac = ("--train.activation_checkpoint", "none")
+    clean = clean_params(batches, *no_ac)
+    t = trainer(batches, *no_ac)
+    eng = windowed(t, "thread", coverage=True)
+    assert t.train_step().attempts == 2  # profiled, planned
+    at_once = []  # ops checked at once, on the critical path
+    naive = eng._naive
+    eng._naive = lambda op_id, phase, func, *a, **k: (at_once.append(op_id), naive(op_id, phase, func, *a, **k))[1]
+    attempts = [t.train_step().attempts for _ in range(2)]
+    # (the CPU's flash attention, CUDA's memory-efficient or flash one)
+    rows = [r for r in eng.coverage if r[1].startswith("aten._scaled_dot_product_") and r[2] == "forward"]
+    # the first micro-batch's: planned into the window (deferred, or replayed with its block's AGC segment)
+    assert rows and rows[0][3] in ("d-inter", "agc") and rows[0][0] not in at_once
+    assert attempts == [1, 1] and eng.totals["detected"] == 0 and eng.totals["stale"] == 0
+    assert eng.coverage_report()["coverage"] == 1.0
+    assert equal(params(t), clean)

@@ -144,7 +144,7 @@ class Tape:
                 else:
                     args.append(leaf)
             a, k = tree_unflatten(args, e.spec)
-            out = e.func(*a, **k)
+            out = dops.clear_unset(e.func, a, k, e.func(*a, **k))
             if not agree(str(e.func), e.expect[0], fingerprint(out)):
                 return e.op_id
             for t, slot in zip(dops.tensors(out), e.out_slots):

@@ -591,8 +591,13 @@ class DMREngine:
         if self.cfg.coverage:
             self.coverage.append((op_id, name, phase, strategy, window))
         self.counts[strategy] += 1
-        if strategy == "agc" and (dops.written_args(func, args, kwargs) or inf.random):
-            strategy = "naive"  # an in-place or random op cannot be replayed from a tape: checked at once
+        taped = strategy
+        if strategy == "agc" and (dops.written_args(func, args, kwargs) or dops.random_call(inf, args, kwargs)):
+            # an in-place or random op cannot be replayed from a tape (the segment reads it as a boundary input):
+            # a gradient accumulated in place is swapped and checked in the segment's window, the rest at once
+            strategy = taped = "naive"
+            if swap is not None:
+                strategy = "d-inter"
         if swap is not None and strategy not in ("d-inter", "d-intra"):
             self._settle_written(func, args, kwargs)  # (not swapped after all: it writes in place)
             swap = None
@@ -625,7 +630,7 @@ class DMREngine:
         if phase == "recompute" and op_id.startswith("recompute:"):
             self._tape_alias(op_id, op_id[len("recompute:"):], out)
         else:
-            self._tape_record(op_id, func, args, kwargs, out, strategy)
+            self._tape_record(op_id, func, args, kwargs, out, taped)
         self._own(phase, op_id, dynamic)
         return out
 
@@ -703,7 +708,7 @@ class DMREngine:
 
     def _is_const(self, inf: dops.OpInfo, ins: list[torch.Tensor]) -> bool:
         """An op whose tensor inputs ``ins`` are all constants of this attempt (or that has none: a factory)."""
-        if inf.random:
+        if inf.random:  # (a fused attention without dropout too: cheap to check, rare to be constant)
             return False
         const = self._const
         for t in ins:
@@ -1276,7 +1281,7 @@ class DMREngine:
     # ---- deferred checks (D-DMR, AGC, dynamic) -----------------------------------------------------
     def _defer(self, op_id, phase, strategy, window, func, args, kwargs, ins=None, swap=None) -> Any:
         inf = dops.info(func)
-        if inf.random or (inf.written and dops.written_args(func, args, kwargs)):
+        if dops.random_call(inf, args, kwargs) or (inf.written and dops.written_args(func, args, kwargs)):
             if swap is not None:
                 return self._swapped(op_id, phase, strategy, window, swap, args, kwargs)
             # in-place and random ops are checked at once (their inputs or generator change right after)
@@ -1328,7 +1333,7 @@ class DMREngine:
                     if any(t._version != v and before_update(t) is t for t, v in zip(held["ins"], held["versions"])):
                         raise _Stale
                     args = tree_map(lambda t: before_update(t) if isinstance(t, torch.Tensor) else t, args)
-                return func(*args[0], **args[1])
+                return dops.clear_unset(func, args[0], args[1], func(*args[0], **args[1]))
             finally:
                 held["args"], held["ins"], held["versions"] = None, [], []  # checked: the inputs are released
 

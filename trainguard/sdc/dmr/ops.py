@@ -64,13 +64,22 @@ def info(func) -> OpInfo:
     return got
 
 
+def _dropout_p(inf: OpInfo, args: tuple, kwargs: dict) -> Any:
+    return args[inf.dropout_at] if len(args) > inf.dropout_at else kwargs.get("dropout_p", 0.0)
+
+
+def random_call(inf: OpInfo, args: tuple, kwargs: dict) -> bool:
+    """Whether this call draws random numbers: a random op's does, but a fused attention's without dropout
+    (``dropout_p == 0``: its only randomness) does not, and can then be checked like any deterministic op."""
+    return inf.random and (inf.dropout_at < 0 or _dropout_p(inf, args, kwargs) != 0)
+
+
 def clear_unset(func, args: tuple, kwargs: dict, out: Any) -> Any:
     """``out`` with the outputs a fused attention kernel left uninitialised (no dropout: see
     :data:`_RNG_STATE_OUTPUTS`) zeroed, so that two executions compare equal there; every other op as is."""
     inf = info(func)
     if inf.unset:
-        p = args[inf.dropout_at] if len(args) > inf.dropout_at else kwargs.get("dropout_p", 0.0)
-        if p == 0:
+        if _dropout_p(inf, args, kwargs) == 0:
             for i in inf.unset:  # (as integers of the same width: CUDA's fill has no kernel for every uint)
                 out[i].view(_INT_VIEW[out[i].element_size()]).zero_()
     return out
