@@ -708,7 +708,7 @@ class DMREngine:
 
     def _is_const(self, inf: dops.OpInfo, ins: list[torch.Tensor]) -> bool:
         """An op whose tensor inputs ``ins`` are all constants of this attempt (or that has none: a factory)."""
-        if inf.random:  # (a fused attention without dropout too: cheap to check, rare to be constant)
+        if inf.random:  # (by its tag: a fused attention without dropout is conservatively never a constant)
             return False
         const = self._const
         for t in ins:
