@@ -118,8 +118,9 @@ if mode.startswith("dmragc:"):
     found = eng._mismatch  # (every mismatch the engine reports, with the strategy that found it)
     eng._mismatch = lambda op_id, name, phase, strategy, detail: (agc["mismatches"].append((op_id, strategy)),
                                                                   found(op_id, name, phase, strategy, detail))
-    if trainer.rank == int(agc_rank) and segments:
-        agc["op"] = op = next(o for o in segments[0].bw_ops if o.startswith("backward:"))
+    ops = [o for a in segments for o in a.bw_ops if o.startswith("backward:")]
+    if trainer.rank == int(agc_rank) and ops:
+        agc["op"] = op = ops[0]
         name = next(o.name for o in eng.profile.ops if o.id == op)
         same = [o.id for o in eng.profile.ops if o.phase == "backward" and o.name == name]  # (as the injector counts)
         site = OpSite(name, "backward", same.index(op), compute_only=True)

@@ -179,8 +179,10 @@ def test_dmr_stream_executor_on_two_stages_detects_decides_at_the_verdict_and_en
 @pytest.mark.slow
 def test_dmr_a_fault_in_an_agc_segment_is_found_by_its_replay_and_ends_bitwise(tmp_path, clean_pp2):
     """A bit flip in the first backward op of an AGC segment (Phase 2: the segment is replayed from its boundary
-    tensors in a window, its outputs compared with the primary's): the replay finds it, and the run ends bitwise."""
-    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true"]
+    tensors in a window, its outputs compared with the primary's): the replay finds it, and the run ends bitwise.
+    The plan is made from measured times: an emulated 30 ms link makes every window long enough for the planner to
+    choose AGC segments whatever the machine's load (without it, some runs under load planned none)."""
+    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true", "--distributed.emulate_link_delay_ms", "30"]
     got = run_dist(tmp_path, "agc", 2, "dmragc:0:2", *PP, *dmr)
     assert got[0]["agc"]["segments"] >= 1 and got[0]["fired"], got[0]["agc"]
     assert [s for _, s in got[0]["agc"]["mismatches"]] == ["agc"], got[0]["agc"]
