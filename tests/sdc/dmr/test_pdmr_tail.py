@@ -8,18 +8,8 @@ waits for its input), micro-batch 1's have none before the backward."""
 
 import pytest
 
-from tests.sdc.dmr._windowed import clean_params, equal, params, small_batches, trainer, windowed
+from tests.sdc.dmr._windowed import equal, params, trainer, windowed
 from trainguard.faults import Fault, FaultModel, Injector, OpSite
-
-
-@pytest.fixture(scope="module")
-def batches():
-    return small_batches()
-
-
-@pytest.fixture(scope="module")
-def clean(batches):
-    return clean_params(batches)
 
 
 def _planned(batches, executor="thread", **cfg):

@@ -11,19 +11,9 @@ import time
 
 import pytest
 
-from tests.sdc.dmr._windowed import clean_params, equal, params, small_batches, trainer, windowed
+from tests.sdc.dmr._windowed import equal, params, trainer, windowed
 from trainguard.errors import SuspectedHardwareFault
 from trainguard.faults import Fault, FaultModel, Injector, OpSite
-
-
-@pytest.fixture(scope="module")
-def batches():
-    return small_batches()
-
-
-@pytest.fixture(scope="module")
-def clean(batches):
-    return clean_params(batches)
 
 
 def _windowed(batches, executor: str, **cfg):

@@ -1764,17 +1764,10 @@ def _primary(func, args, kwargs):
         out = func(*args, **kwargs)
     finally:
         _INJECTOR_FLAG.active = before
-    return _checker(dops.clear_unset, func, args, kwargs, out) if dops.info(func).unset else out
-
-
-def _checker(fn, *args):
-    """``fn(*args)`` as an engine execution (invisible to the fault injector)."""
-    before = getattr(_INJECTOR_FLAG, "active", False)
-    _INJECTOR_FLAG.active = True
-    try:
-        return fn(*args)
-    finally:
-        _INJECTOR_FLAG.active = before
+    if dops.info(func).unset:
+        with checker_execution():  # (zeroing what the kernel left unset is the engine's work, not an op of the step)
+            dops.clear_unset(func, args, kwargs, out)
+    return out
 
 
 class _Stale(Exception):
