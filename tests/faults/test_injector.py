@@ -152,3 +152,20 @@ def test_product_site_occurrence_and_layer_filter(batches):
     assert inj.records == [] and len(inj.unfired()) == 1  # no layer 5 in a 1-layer model
     _, inj, _ = run(batches, Fault(ProductSite("*", occurrence=4), FaultModel("value", value=7.0), index=0))
     assert inj.records[0].target == "layers.0.context"  # q k v scores context: the fifth product
+
+
+def test_an_out_of_place_list_op_has_one_of_its_results_corrupted():
+    """``_foreach_norm`` (clipping) and the out-of-place ``_foreach_mul`` (a gradient list op DMR runs out of
+    place) return lists: the fault goes into one element of one of them, and the others are untouched."""
+    model = torch.nn.Linear(4, 4)
+    xs = [torch.randn(3, 5), torch.randn(7)]
+    for op, call in (("aten._foreach_norm*", lambda: torch._foreach_norm(xs)),
+                     ("aten._foreach_mul.*", lambda: torch._foreach_mul(xs, 2.0))):
+        clean = call()
+        inj = Injector(Fault(OpSite(op, "any", 0), FaultModel("value", value=1e6), step=0), seed=1).attach_model(model)
+        with inj.step_context(0):
+            got = call()
+        (rec,) = inj.records
+        assert rec.target.startswith(op.rstrip("*")) and rec.new == 1e6
+        changed = [int((a != b).sum()) for a, b in zip(got, clean)]
+        assert sorted(changed) == [0, 1], changed

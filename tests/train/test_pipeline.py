@@ -266,17 +266,39 @@ def test_dmr_a_wrong_optimizer_update_is_caught_in_the_next_iteration_and_repair
 @pytest.mark.slow
 def test_dmr_faults_in_gradient_averaging_and_clipping_list_ops_are_retried_and_repaired_bitwise(tmp_path, clean_pp2):
     """The pipeline averages the gradients with one ``_foreach_div_`` before the guards and clips them with one
-    ``_foreach_mul_`` in the update stage; DMR verifies both in cache-sized pieces at once. A bit flip in a piece
-    of the averaging (stage 0) is a mismatch: the step is re-executed. One in a piece of the clipping (stage 1)
-    comes after the guards passed: two of three executions decide and the result is repaired in place."""
+    ``_foreach_mul_`` in the update stage. After step 1 an evaluation reads the state (eval_every = 2), so nothing
+    is carried past its update: DMR verifies both in cache-sized pieces at once. A bit flip in a piece of the
+    averaging (stage 0) is a mismatch: the step is re-executed. One in a piece of the clipping (stage 1) comes
+    after the guards passed: two of three executions decide and the result is repaired in place."""
     dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.optimizer_chunk_mb", "0.01"]
     got = run_dist(tmp_path, "div", 2, "dmrsite:0:1:aten._foreach_div_*:forward:2", *PP, *dmr)
     assert got[0]["fired"] and got[0]["dmr"]["detected"] == 1 and not got[0]["dmr"].get("repaired_optimizer")
     assert all([s["attempts"] for s in r["steps"]] == [2, 2, 1, 1] for r in got)
     assert_bitwise(got, clean_pp2)
-    got = run_dist(tmp_path, "mul", 2, "dmrsite:1:2:aten._foreach_mul_*:any:1", *PP, *dmr)
+    got = run_dist(tmp_path, "mul", 2, "dmrsite:1:1:aten._foreach_mul_*:any:1", *PP, *dmr)
     assert got[1]["fired"] and got[1]["dmr"]["detected"] == 1 and got[1]["dmr"]["repaired_optimizer"] == 1
     assert all([s["attempts"] for s in r["steps"]] == [2, 1, 1, 1] for r in got)
+    assert_bitwise(got, clean_pp2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank,op", [(0, "aten._foreach_div.*"), (1, "aten._foreach_mul.*")])
+def test_dmr_averaging_and_clipping_run_out_of_place_and_a_fault_in_either_is_caught_after_the_update(
+        tmp_path, clean_pp2, rank, op):
+    """Step 2 is not followed by a read of the state: its averaging and clipping run out of place (each gradient
+    takes the result's storage) and their checks are carried into step 3's windows, off the critical path. A bit
+    flip in either result is found there: the state goes back to the start of step 2 and both steps are
+    re-executed on both stages, bitwise equal to the fault-free run."""
+    dmr = ["--sdc.dmr.enabled", "true"]
+    got = run_dist(tmp_path, "oop", 2, f"dmrsite:{rank}:2:{op}:any:0", *PP, *dmr)
+    assert got[rank]["fired"] and got[rank]["dmr"]["detected"] == 1
+    assert not got[rank]["dmr"].get("repaired_optimizer")
+    assert all(r["dmr_counts"].get("gradient-swapped", 0) > 0 for r in got)
+    # step 3's verdict rewinds: step 2 is re-executed (its record appears twice), then step 3
+    assert all([(s["step"], s["attempts"]) for s in r["steps"]] == [(0, 2), (1, 1), (2, 1), (2, 1), (3, 2)]
+               for r in got)
+    (site, rewind), = got[rank]["steps"][-1]["retries"]
+    assert rewind and site.endswith(op.replace("*", "Tensor" if "mul" in op else "Scalar"))
     assert_bitwise(got, clean_pp2)
 
 

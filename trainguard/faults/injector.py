@@ -179,6 +179,17 @@ def _written_tensor(func, args, kwargs, generator: torch.Generator) -> torch.Ten
     return written[int(torch.randint(len(written), (1,), generator=generator))]
 
 
+def _list_output(func, out: Any) -> bool:
+    """An out-of-place list op (``_foreach_norm``, ``_foreach_mul``...) returning floating-point tensors: one of
+    them is the op's result to corrupt. (Other ops returning several tensors are not injected into.)"""
+    return isinstance(out, (list, tuple)) and bool(out) and str(func).startswith("aten._foreach_") and all(
+        isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() for t in out)
+
+
+def _drawn(out: list[torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+    return out[int(torch.randint(len(out), (1,), generator=generator))]
+
+
 class _OpMode(TorchDispatchMode):
     def __init__(self, injector: Injector):
         super().__init__()
@@ -323,8 +334,8 @@ class Injector:
             if not out.is_floating_point():
                 return
         elif out is None or isinstance(out, (list, tuple)):
-            if _written_tensor(func, args, kwargs or {}, None) is None:  # nothing floating-point it writes
-                return
+            if _written_tensor(func, args, kwargs or {}, None) is None and not _list_output(func, out):
+                return  # nothing floating-point it writes or returns
         else:
             return
         name = str(func)  # e.g. "aten.mm.default"
@@ -346,7 +357,12 @@ class Injector:
             self._counts[key] = occ + 1
             if occ != f.site.occurrence:
                 continue
-            target = out if isinstance(out, torch.Tensor) else _written_tensor(func, args, kwargs or {}, self.generator)
+            if isinstance(out, torch.Tensor):
+                target = out
+            elif _list_output(func, out):
+                target = _drawn(out, self.generator)
+            else:
+                target = _written_tensor(func, args, kwargs or {}, self.generator)
             if target is not None and target.is_floating_point() and target.numel():
                 self._corrupt(i, f, target, "op", name, phase, occ)
 

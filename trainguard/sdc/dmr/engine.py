@@ -588,6 +588,10 @@ class DMREngine:
             # computed from constants only (a mask a kernel builds once and caches): the recompute may not run
             # it again, so it is checked at once and kept out of the segment's op sequence
             strategy = "naive"
+        if strategy == "optimizer" and swap is not None and self._fits(dops.tensors(args)):
+            # a list op over every gradient (the pipeline's averaging, clipping): no window follows it before the
+            # update, so it runs out of place and its check is carried into the next iteration (see _grad_swap)
+            strategy, window = "d-inter", CARRY
         if self.cfg.coverage:
             self.coverage.append((op_id, name, phase, strategy, window))
         self.counts[strategy] += 1
@@ -1367,39 +1371,79 @@ class DMREngine:
     # storage, so the check is an ordinary deferred one: its inputs kept by reference, its output's fingerprint
     # taken later, checked in a window like the op's neighbours.
     def _grad_swap(self, func, args, kwargs) -> Any:
-        """The out-of-place form of ``func`` if it updates a parameter's gradient in place and may be swapped."""
+        """The out-of-place form of ``func`` if it updates a parameter's gradient in place and may be swapped. A
+        list op (``_foreach_div_`` averaging every gradient, clipping's ``_foreach_mul_``) runs after the step's
+        last window: it is swapped only where its check can be carried into the next iteration (``_carrying``),
+        and then only if every tensor of its list is a gradient."""
         oop = dops.out_of_place(func)
         if oop is None or not args or self._model is None:
             return None
         g = args[0]
+        many = isinstance(g, (list, tuple))
+        gs = list(g) if many else [g]
+        if many and not (gs and self._carrying()):
+            return None
+        for t in gs:
+            if not self._is_grad(t):
+                return None
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        if isinstance(other, torch.Tensor) and any(other.dtype != t.dtype or other.device != t.device or
+                                                   (other.shape != t.shape and other.dim() != 0) for t in gs):
+            return None  # (the out-of-place form would promote or broadcast differently)
+        return oop
+
+    def _fits(self, ins: list[torch.Tensor]) -> bool:
+        """A check keeping ``ins`` fits the memory budget with those already queued and carried."""
+        nbytes = sum(t.numel() * t.element_size() for t in ins)
+        return not self.budget_bytes or self.queued_bytes + self.carried_bytes + nbytes <= self.budget_bytes
+
+    def _is_grad(self, g: Any) -> bool:
+        """``g`` is a parameter's gradient, with a storage of its own (swappable)."""
         if type(g) is not torch.Tensor or g._is_view() or not g.is_contiguous() or g.requires_grad:
-            return None  # (a view, e.g. DDP's gradient-as-bucket-view, shares its storage with its base)
+            return False  # (a view, e.g. DDP's gradient-as-bucket-view, shares its storage with its base)
         ref = self._grads.get(id(g))
         if ref is None or ref() is not g:
             self._grads = {id(p.grad): weakref.ref(p.grad) for p in self._model.parameters() if p.grad is not None}
             ref = self._grads.get(id(g))
-            if ref is None or ref() is not g:
-                return None
-        other = args[1] if len(args) > 1 else kwargs.get("other")
-        if isinstance(other, torch.Tensor) and (other.dtype != g.dtype or other.device != g.device or
-                                                (other.shape != g.shape and other.dim() != 0)):
-            return None  # (the out-of-place form would promote or broadcast differently)
-        return oop
+        return ref is not None and ref() is g
 
-    def _swapped(self, op_id, phase, strategy, window, oop, args, kwargs) -> torch.Tensor:
+    def _swapped(self, op_id, phase, strategy, window, oop, args, kwargs) -> torch.Tensor | None:
         g = args[0]
-        # the gradient so far: its storage is not written again (g takes the result's below). A tensor of its own,
-        # not a detach(): that shares g's version counter, which set_ bumps
-        old = _alias(g)
-        self._produced[id(old)] = weakref.ref(old)
-        self._repoint(g)
-        out = self._defer(op_id, phase, strategy, window, oop, (old, *args[1:]), kwargs)
-        if out.shape != g.shape or out.dtype != g.dtype:  # (excluded by _grad_swap; never silently wrong)
-            raise RuntimeError(f"{oop} computed {tuple(out.shape)} {out.dtype} for a gradient of "
-                               f"{tuple(g.shape)} {g.dtype}")
-        g.set_(out if out.stride() == g.stride() else out.contiguous())
-        self.counts["gradient-swapped"] += 1
-        return g
+        many = isinstance(g, (list, tuple))
+        gs = list(g) if many else [g]
+        # the gradients so far: their storage is not written again (each takes the result's below). Tensors of their
+        # own, not detach(): that shares g's version counter, which set_ bumps
+        olds = []
+        for t in gs:
+            old = _alias(t)
+            self._produced[id(old)] = weakref.ref(old)
+            self._repoint(t)
+            olds.append(old)
+        queued = len(self.queue)
+        out = self._defer(op_id, phase, strategy, window, oop, (olds if many else olds[0], *args[1:]), kwargs)
+        outs = list(out) if many else [out]
+        for t, o in zip(gs, outs, strict=True):
+            if o.shape != t.shape or o.dtype != t.dtype:  # (excluded by _grad_swap; never silently wrong)
+                raise RuntimeError(f"{oop} computed {tuple(o.shape)} {o.dtype} for a gradient of "
+                                   f"{tuple(t.shape)} {t.dtype}")
+            t.set_(o if o.stride() == t.stride() else o.contiguous())
+        self.counts["gradient-swapped"] += len(gs)
+        if window == CARRY and self.update_stage and len(self.queue) > queued:
+            self._carry_now(self.queue.pop())
+        return None if many else g
+
+    def _carry_now(self, d: Deferred) -> None:
+        """A check made after this iteration's drain (clipping, in the update stage): straight into the checks
+        carried into the next iteration, with the fingerprint its comparison waits for."""
+        self.queued_bytes -= d.nbytes
+        d.carried, d.strategy = True, "carried"
+        self._carried.append(d)
+        self._carried_step = self.step
+        self.carried_bytes += d.nbytes
+        self.counts["carried"] += 1
+        self._carried_fifo.extend(self._later_fifo)  # (re-registered by storage when the next attempt starts)
+        self.counts["fingerprints-carried"] += len(self._later_fifo)
+        self._later_fifo.clear()
 
     def _repoint(self, g: torch.Tensor) -> None:
         """Fingerprints still to be taken and queued checks that keep a tensor on ``g``'s storage by reference (the

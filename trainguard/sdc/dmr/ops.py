@@ -128,7 +128,11 @@ def storage_key(t: torch.Tensor) -> int:
 # in-place elementwise ops and their out-of-place forms (see DMREngine._grad_swap)
 _OUT_OF_PLACE = {"aten.add_.Tensor": ("add", "Tensor"), "aten.div_.Tensor": ("div", "Tensor"),
                  "aten.div_.Scalar": ("div", "Scalar"), "aten.mul_.Tensor": ("mul", "Tensor"),
-                 "aten.mul_.Scalar": ("mul", "Scalar")}
+                 "aten.mul_.Scalar": ("mul", "Scalar"),
+                 # list ops over every gradient (averaging, clipping): the same kernel per tensor, out of place
+                 "aten._foreach_div_.Scalar": ("_foreach_div", "Scalar"),
+                 "aten._foreach_mul_.Scalar": ("_foreach_mul", "Scalar"),
+                 "aten._foreach_mul_.Tensor": ("_foreach_mul", "Tensor")}
 _OOP_CACHE: dict[Any, Any] = {}
 
 
