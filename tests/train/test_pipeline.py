@@ -293,7 +293,9 @@ def test_dmr_averaging_and_clipping_run_out_of_place_and_a_fault_in_either_is_ca
     got = run_dist(tmp_path, "oop", 2, f"dmrsite:{rank}:2:{op}:any:0", *PP, *dmr)
     assert got[rank]["fired"] and got[rank]["dmr"]["detected"] == 1
     assert not got[rank]["dmr"].get("repaired_optimizer")
-    assert all(r["dmr_counts"].get("gradient-swapped", 0) > 0 for r in got)
+    # the pattern matches only the out-of-place op (the in-place one is ``_foreach_div_`` / ``_foreach_mul_``), and the
+    # detection names it below. (Not the engine's counts: they are of step 3's last attempt, which the end of the run
+    # follows, so its list ops run in place, and whether a single gradient's add_ is swapped depends on the plan.)
     # step 3's verdict rewinds: step 2 is re-executed (its record appears twice), then step 3
     assert all([(s["step"], s["attempts"]) for s in r["steps"]] == [(0, 2), (1, 1), (2, 1), (2, 1), (3, 2)]
                for r in got)
