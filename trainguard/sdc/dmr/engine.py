@@ -588,7 +588,8 @@ class DMREngine:
             # computed from constants only (a mask a kernel builds once and caches): the recompute may not run
             # it again, so it is checked at once and kept out of the segment's op sequence
             strategy = "naive"
-        if strategy == "optimizer" and swap is not None and self._fits(dops.tensors(args)):
+        if strategy == "optimizer" and swap is not None and \
+                self._fits(sum(t.numel() * t.element_size() for t in dops.tensors(args))):
             # a list op over every gradient (the pipeline's averaging, clipping): no window follows it before the
             # update, so it runs out of place and its check is carried into the next iteration (see _grad_swap)
             strategy, window = "d-inter", CARRY
@@ -1317,8 +1318,7 @@ class DMREngine:
         kept = (args, kwargs) if clones is None else dops.map_tensors(lambda v: clones.get(id(v), v), (args, kwargs))
         versions = [t._version for t in kept_ins]
         held = {"args": kept, "ins": kept_ins, "versions": versions}
-        if strategy != "dynamic" and self.budget_bytes and \
-                self.queued_bytes + self.carried_bytes + nbytes > self.budget_bytes:
+        if strategy != "dynamic" and not self._fits(nbytes):
             self.counts["naive-fallback"] += 1
             return self._naive(op_id, phase, func, args, kwargs)
         t0 = time.perf_counter()
@@ -1392,9 +1392,8 @@ class DMREngine:
             return None  # (the out-of-place form would promote or broadcast differently)
         return oop
 
-    def _fits(self, ins: list[torch.Tensor]) -> bool:
-        """A check keeping ``ins`` fits the memory budget with those already queued and carried."""
-        nbytes = sum(t.numel() * t.element_size() for t in ins)
+    def _fits(self, nbytes: int) -> bool:
+        """A check keeping ``nbytes`` of inputs fits the memory budget with those already queued and carried."""
         return not self.budget_bytes or self.queued_bytes + self.carried_bytes + nbytes <= self.budget_bytes
 
     def _is_grad(self, g: Any) -> bool:
@@ -1429,18 +1428,21 @@ class DMREngine:
             t.set_(o if o.stride() == t.stride() else o.contiguous())
         self.counts["gradient-swapped"] += len(gs)
         if window == CARRY and self.update_stage and len(self.queue) > queued:
-            self._carry_now(self.queue.pop())
+            # made after this iteration's drain (clipping, in the update stage): straight into the carried checks
+            d = self.queue.pop()
+            self.queued_bytes -= d.nbytes
+            self._carry([d])
         return None if many else g
 
-    def _carry_now(self, d: Deferred) -> None:
-        """A check made after this iteration's drain (clipping, in the update stage): straight into the checks
-        carried into the next iteration, with the fingerprint its comparison waits for."""
-        self.queued_bytes -= d.nbytes
-        d.carried, d.strategy = True, "carried"
-        self._carried.append(d)
+    def _carry(self, ds: list[Deferred]) -> None:
+        """Checks ``ds``, and the fingerprints still to be taken (with the comparisons waiting for them), carried
+        into the next iteration (its windows, else its drain)."""
+        for d in ds:
+            d.carried, d.strategy = True, "carried"
+        self._carried += ds
         self._carried_step = self.step
-        self.carried_bytes += d.nbytes
-        self.counts["carried"] += 1
+        self.carried_bytes += sum(d.nbytes for d in ds)
+        self.counts["carried"] += len(ds)
         self._carried_fifo.extend(self._later_fifo)  # (re-registered by storage when the next attempt starts)
         self.counts["fingerprints-carried"] += len(self._later_fifo)
         self._later_fifo.clear()
@@ -1664,15 +1666,7 @@ class DMREngine:
                 # checked in the next iteration: the checks no window followed, and the fingerprints still to be taken
                 # with the P-DMR comparisons waiting for them (whether or not the plan left backward ops naive)
                 if carry or (self._later_fifo and self._carrying()):
-                    for d in carry:
-                        d.carried, d.strategy = True, "carried"
-                    self._carried += carry
-                    self._carried_step = self.step
-                    self.carried_bytes += sum(d.nbytes for d in carry)
-                    self.counts["carried"] += len(carry)
-                    self._carried_fifo.extend(self._later_fifo)
-                    self._later_fifo.clear()
-                    self.counts["fingerprints-carried"] += len(self._carried_fifo)
+                    self._carry(carry)
                 self._check_held(self.step)  # (not this iteration's own update: the next one checks it)
                 self._settle()
                 for d in todo:
