@@ -29,6 +29,24 @@ linux_glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platfor
                                  reason="glibc mallopt (Linux with glibc)")
 
 
+_THREAD_PROBE = r"""
+import resource, sys, threading, torch
+from trainguard.train import host_memory as hm
+if sys.argv[1] == "retain":
+    hm.retain_freed_memory()
+def buffers():
+    ts = [torch.ones(40 * 2**20 // 4) for _ in range(3)]  # 120 MiB, written: more than one 64 MiB thread heap
+    del ts
+def faults_in_a_new_thread():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    th = threading.Thread(target=buffers)
+    th.start(); th.join()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults_in_a_new_thread()  # the first: memory the process never had faults in any mode
+print(min(faults_in_a_new_thread() for _ in range(3)))
+"""
+
+
 def _probe(mode: str) -> tuple[str, str, float]:
     out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True)
     applied, name, grown = out.stdout.split()
@@ -47,6 +65,21 @@ def test_retained_memory_stays_resident_after_free():
     applied, name, grown = _probe("retain")
     assert (applied, name) == ("True", "retain")
     assert grown > 48  # the 64 MiB came from the heap and stays there for the next step's buffers
+
+
+def _thread_faults(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _THREAD_PROBE, mode], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+@linux_glibc
+def test_a_new_threads_buffer_reuses_retained_memory_instead_of_faulting_it_in_again():
+    # a thread per DMR window allocates checker outputs: with an arena of its own, glibc unmapped its heaps once
+    # free and each window's thread page-faulted (and the kernel zeroed) the same memory again
+    default, retained = _thread_faults("default"), _thread_faults("retain")
+    pages = 120 * 2**20 // 4096
+    assert default > pages // 2  # the probe does measure the faults (30720 pages of 4 KiB)
+    assert retained < pages // 10
 
 
 def test_config_rejects_an_unknown_host_memory_mode():

@@ -8,10 +8,18 @@ the allocation pattern: protected attention allocates differently from SDPA, so 
 spurious ABFT overhead (~15% step overhead measured with the default allocator vs ~5% with this setting;
 see docs/abft-tooling.md).
 
-:func:`retain_freed_memory` switches glibc to serve everything from its heap (``M_MMAP_MAX = 0``) and
-never to trim it (``M_TRIM_THRESHOLD`` = 2 GiB): the resident size stays at the peak, as with CUDA's
-caching allocator. It is what jemalloc / tcmalloc (PyTorch's CPU performance guide recommends preloading
-them) achieve, without a preload. Process-wide and not reversible for memory already allocated; a no-op
+:func:`retain_freed_memory` switches glibc to serve everything from its heap (``M_MMAP_MAX = 0``),
+never to trim it (``M_TRIM_THRESHOLD`` = 2 GiB), and to serve the threads that start allocating from then on
+from that same heap (``M_ARENA_MAX = 1``): the resident size stays at the peak, as with CUDA's caching
+allocator. It is what jemalloc / tcmalloc (PyTorch's CPU performance guide recommends preloading them)
+achieve, without a preload. The arena limit is for threads that allocate tensors, such as DMR's window worker
+(a thread per communication window): glibc gives a new thread an arena of its own, made of separate 64 MiB
+heaps, and unmaps such a heap as soon as it is wholly free, whatever the trim threshold; the workers' checker
+outputs then page-faulted in again window after window (13-46 thousand minor faults a step per pipeline stage
+on llama-60m; a few hundred at most once every thread shares the main heap). The price is one lock for all
+threads' allocations, taken by few threads at once here. The setting must come before the threads' first
+allocation (the trainer applies it before the process group starts its own), and is not reversible for
+arenas made before it. Process-wide and not reversible for memory already allocated; a no-op
 (returning False) where the C library is not glibc.
 
 :func:`heap_in_use_bytes` and :class:`HeapPeak` measure what the process holds allocated (glibc's
@@ -29,6 +37,7 @@ import threading
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
 _TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: trim only when 2 GiB lie free at the heap's top
 
 _applied = False
@@ -53,7 +62,8 @@ def retain_freed_memory() -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    _applied = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    _applied = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)) \
+        and bool(libc.mallopt(_M_ARENA_MAX, 1))
     return _applied
 
 

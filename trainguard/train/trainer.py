@@ -184,11 +184,11 @@ class Trainer:
 
         self.strategy = strategy if strategy is not None else build_strategy(cfg)
         self.device = resolve_device(cfg, dist_env()[2])
+        if cfg.train.host_memory == "retain" and self.device.type == "cpu":
+            retain_freed_memory()  # (before the process group starts its threads: see host_memory's M_ARENA_MAX)
         self.strategy.init(self)
         if cfg.checkpoint.dir:  # before any work: not at the first save, after training (output.dir: in run())
             check_writable(Path(cfg.checkpoint.dir), "checkpoint.dir")
-        if cfg.train.host_memory == "retain" and self.device.type == "cpu":
-            retain_freed_memory()
         if self.world == 1 and cfg.distributed.dp > 1 and self.strategy.name in ("single", "ddp") and self.is_main:
             sys.stderr.write(f"trainguard: note: distributed.dp={cfg.distributed.dp} but not launched under "
                              "torchrun; running one process on the same global batch\n")
