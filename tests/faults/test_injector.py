@@ -169,3 +169,37 @@ def test_an_out_of_place_list_op_has_one_of_its_results_corrupted():
         assert rec.target.startswith(op.rstrip("*")) and rec.new == 1e6
         changed = [int((a != b).sum()) for a, b in zip(got, clean)]
         assert sorted(changed) == [0, 1], changed
+
+
+def test_an_op_returning_a_tuple_has_one_of_its_floating_point_results_corrupted():
+    """Fused attention returns (output, log-sum-exp), a layer-norm backward (grad input, grad weight, grad bias):
+    each is an op of the step like any other, so a fault lands in exactly one element of one returned tensor
+    (drawn), and integer results (``max``'s indices) are never the target."""
+    model = torch.nn.Linear(4, 4)
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    x, w, b = torch.randn(3, 6), torch.randn(6), torch.randn(6)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [6], w, b, 1e-5)
+    calls = {
+        "aten._scaled_dot_product_flash_attention_for_cpu*":
+            lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[:2],
+        "aten.native_layer_norm_backward*":
+            lambda: torch.ops.aten.native_layer_norm_backward(torch.ones(3, 6), x, [6], mean, rstd, w, b,
+                                                              [True, True, True]),
+        "aten.max.dim": lambda: torch.max(x, 1),
+    }
+    targets = set()
+    for op, call in calls.items():
+        for seed in range(4):
+            clean = call()
+            inj = Injector(Fault(OpSite(op, "any", 0), FaultModel("value", value=1e6), step=0),
+                           seed=seed).attach_model(model)
+            with inj.step_context(0):
+                got = call()
+            (rec,) = inj.records
+            assert rec.target.startswith(op.rstrip("*")) and rec.new == 1e6
+            changed = [int((a != b).sum()) for a, b in zip(got, clean)]
+            assert sorted(changed) == [0] * (len(changed) - 1) + [1], (op, changed)
+            targets.add((op, changed.index(1)))
+    assert ("aten.max.dim", 1) not in targets  # the indices
+    # the draw reaches more than the first result (attention's log-sum-exp, the layer norm's weight gradient...)
+    assert any(i > 0 for op, i in targets if op != "aten.max.dim")

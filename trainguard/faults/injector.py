@@ -179,11 +179,13 @@ def _written_tensor(func, args, kwargs, generator: torch.Generator) -> torch.Ten
     return written[int(torch.randint(len(written), (1,), generator=generator))]
 
 
-def _list_output(func, out: Any) -> bool:
-    """An out-of-place list op (``_foreach_norm``, ``_foreach_mul``...) returning floating-point tensors: one of
-    them is the op's result to corrupt. (Other ops returning several tensors are not injected into.)"""
-    return isinstance(out, (list, tuple)) and bool(out) and str(func).startswith("aten._foreach_") and all(
-        isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() for t in out)
+def _returned(out: Any) -> list[torch.Tensor]:
+    """The floating-point tensors an op returns as a list or tuple: an out-of-place list op's (``_foreach_norm``,
+    ``_foreach_mul``...), fused attention's (output, log-sum-exp), a backward kernel's gradients (input, weight,
+    bias; None where not asked for). One of them, drawn, is the op's result to corrupt."""
+    if not isinstance(out, (list, tuple)):
+        return []
+    return [t for t in out if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
 
 
 def _drawn(out: list[torch.Tensor], generator: torch.Generator) -> torch.Tensor:
@@ -334,7 +336,7 @@ class Injector:
             if not out.is_floating_point():
                 return
         elif out is None or isinstance(out, (list, tuple)):
-            if _written_tensor(func, args, kwargs or {}, None) is None and not _list_output(func, out):
+            if _written_tensor(func, args, kwargs or {}, None) is None and not _returned(out):
                 return  # nothing floating-point it writes or returns
         else:
             return
@@ -359,8 +361,8 @@ class Injector:
                 continue
             if isinstance(out, torch.Tensor):
                 target = out
-            elif _list_output(func, out):
-                target = _drawn(out, self.generator)
+            elif returned := _returned(out):
+                target = _drawn(returned, self.generator)
             else:
                 target = _written_tensor(func, args, kwargs or {}, self.generator)
             if target is not None and target.is_floating_point() and target.numel():

@@ -89,6 +89,25 @@ def test_a_bit_flip_in_each_phase_is_detected_and_rolled_back_bitwise(batches, c
     assert _equal(_params(t), clean)
 
 
+# (the seed draws the result: forward / recompute 0 the output, 1 the log-sum-exp; backward 0 dv, 4 dk)
+@pytest.mark.parametrize("phase, seed", [("forward", 0), ("forward", 1), ("recompute", 1), ("backward", 0),
+                                         ("backward", 4)])
+def test_a_bit_flip_in_one_result_of_fused_attention_is_detected_and_rolled_back_bitwise(batches, clean, phase,
+                                                                                          seed):
+    # fused attention returns (output, log-sum-exp) and its backward (dq, dk, dv): the fault lands in one of them,
+    # drawn by the seed; every result is compared, so any of them is caught
+    t = _trainer(batches, "--train.activation_checkpoint", "full")
+    eng = attach(t, DMRConfig(enabled=True))
+    fault = Fault(OpSite("aten._scaled_dot_product*", phase, 1, compute_only=True),
+                  FaultModel("bitflip", field="exponent"), step=1)
+    inj = Injector(fault, seed=seed).attach(t)
+    results = [t.train_step() for _ in range(3)]
+    (rec,) = inj.records
+    assert rec.target.startswith("aten._scaled_dot_product") and rec.phase == phase
+    assert eng.totals["detected"] >= 1 and [r.attempts for r in results] == [1, 2, 1]
+    assert _equal(_params(t), clean)
+
+
 def test_the_same_op_failing_on_every_re_execution_is_suspected_hardware(batches):
     t = _trainer(batches)
     attach(t, DMRConfig(enabled=True, system="naive"))
