@@ -47,9 +47,13 @@ print(min(faults_in_a_new_thread() for _ in range(3)))
 """
 
 
+def _run(probe: str, mode: str) -> list[str]:
+    """``probe`` run in a fresh interpreter with ``mode``: the words it printed."""
+    return subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, check=True).stdout.split()
+
+
 def _probe(mode: str) -> tuple[str, str, float]:
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True)
-    applied, name, grown = out.stdout.split()
+    applied, name, grown = _run(_PROBE, mode)
     return applied, name, float(grown)
 
 
@@ -68,8 +72,7 @@ def test_retained_memory_stays_resident_after_free():
 
 
 def _thread_faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", _THREAD_PROBE, mode], capture_output=True, text=True, check=True)
-    return int(out.stdout.split()[-1])
+    return int(_run(_THREAD_PROBE, mode)[-1])
 
 
 @linux_glibc

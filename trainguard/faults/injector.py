@@ -336,7 +336,7 @@ class Injector:
             if not out.is_floating_point():
                 return
         elif out is None or isinstance(out, (list, tuple)):
-            if _written_tensor(func, args, kwargs or {}, None) is None and not _returned(out):
+            if not _returned(out) and _written_tensor(func, args, kwargs or {}, None) is None:
                 return  # nothing floating-point it writes or returns
         else:
             return

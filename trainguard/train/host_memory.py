@@ -17,10 +17,10 @@ achieve, without a preload. The arena limit is for threads that allocate tensors
 heaps, and unmaps such a heap as soon as it is wholly free, whatever the trim threshold; the workers' checker
 outputs then page-faulted in again window after window (13-46 thousand minor faults a step per pipeline stage
 on llama-60m; a few hundred at most once every thread shares the main heap). The price is one lock for all
-threads' allocations, taken by few threads at once here. The setting must come before the threads' first
-allocation (the trainer applies it before the process group starts its own), and is not reversible for
-arenas made before it. Process-wide and not reversible for memory already allocated; a no-op
-(returning False) where the C library is not glibc.
+threads' allocations, taken by few threads at once here. The limit only holds for threads that first
+allocate after it (the trainer applies it before the process group starts its threads): an arena made before
+stays in use. Process-wide and not reversible for memory already allocated; a no-op (returning False) where
+the C library is not glibc.
 
 :func:`heap_in_use_bytes` and :class:`HeapPeak` measure what the process holds allocated (glibc's
 ``mallinfo2``: heap and mmapped chunks in use, every arena), which the resident size no longer tells once

@@ -155,7 +155,7 @@ class _Later:
     def __init__(self, value: Any, ts: list[torch.Tensor]):
         self.value = value
         self.versions = [t._version for t in ts]
-        self.nbytes = sum(t.numel() * t.element_size() for t in ts)
+        self.nbytes = dops.bytes_of(ts)
         self.fp: dops.Fingerprint | None = None
 
 
@@ -589,7 +589,7 @@ class DMREngine:
             # it again, so it is checked at once and kept out of the segment's op sequence
             strategy = "naive"
         if strategy == "optimizer" and swap is not None and \
-                self._fits(sum(t.numel() * t.element_size() for t in dops.tensors(args))):
+                self._fits(dops.bytes_of(dops.tensors(args))):
             # a list op over every gradient (the pipeline's averaging, clipping): no window follows it before the
             # update, so it runs out of place and its check is carried into the next iteration (see _grad_swap)
             strategy, window = "d-inter", CARRY
@@ -1046,7 +1046,7 @@ class DMREngine:
                 or bound.get("found_inf") is not None or "grads" not in lists:
             return False
         state = [t for n in lists if n != "grads" for t in bound[n]]
-        nbytes = 2 * sum(t.numel() * t.element_size() for t in state)  # the copy and the checker's buffers
+        nbytes = 2 * dops.bytes_of(state)  # the copy and the checker's buffers
         return not self.budget_bytes or nbytes <= self.budget_bytes // 2
 
     def _held_optimizer(self, op_id: str, func, bound: dict[str, Any], lists: list[str]) -> None:
@@ -1352,7 +1352,7 @@ class DMREngine:
         expect = self._fp_later(out) if self.cfg.fingerprints else tree_map(
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
         if not self.cfg.fingerprints:
-            nbytes += sum(t.numel() * t.element_size() for t in dops.tensors(expect))
+            nbytes += dops.bytes_of(dops.tensors(expect))
         d = Deferred(op_id, dops.info(func).name, phase, strategy, window, run, expect, nbytes, est, held=held)
         if strategy == "dynamic":
             self.dynamic.enqueue(Entry(op_id, nbytes, est, lambda d=d: self._check(d, "dynamic")))
@@ -1707,9 +1707,9 @@ class DMREngine:
             kind=kind, module=module, block=block, ac_segment=f"{seg.path}" if seg is not None else None,
             seg_index=(len(seg.records) - 1 if phase == "forward" else seg.cursor - 1) if seg is not None else -1,
             start_s=t0 - self._t0, time_s=dt,
-            in_bytes=sum(t.numel() * t.element_size() for t in ins),
-            out_bytes=sum(t.numel() * t.element_size() for t in outs),
-            param_bytes=sum(t.numel() * t.element_size() for t in ins if self._is_param(t)),
+            in_bytes=dops.bytes_of(ins),
+            out_bytes=dops.bytes_of(outs),
+            param_bytes=dops.bytes_of(t for t in ins if self._is_param(t)),
             dynamic=dynamic, microbatch=max(self._micro, 0) if phase in ("forward", "recompute") else
             (owner[3] if owner else 0), grad_of=owner[0] if owner else None, recompute_of=recompute_of,
             ac_call=seg.call if seg is not None else -1)

@@ -21,7 +21,7 @@ Relies on torch only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +115,11 @@ def written_args(func, args: tuple, kwargs: dict, skip: tuple = ()) -> list[torc
         elif value is not None:
             out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
     return out
+
+
+def bytes_of(ts: Iterable[torch.Tensor]) -> int:
+    """The bytes the tensors ``ts`` hold (elements x element size; views counted at their own size)."""
+    return sum(t.numel() * t.element_size() for t in ts)
 
 
 def storage_key(t: torch.Tensor) -> int:
