@@ -109,7 +109,8 @@ elif mode.startswith("abft:"):
     # (row 1, column 1) of the first head's scores: kept by the causal mask
     fault = Fault(ProductSite("scores", layer=layer), FaultModel("nan"), step=1, index=cfg.data.seq_len + 1)
     injector = Injector(fault).attach(trainer)
-agc = {}
+agc: dict = {}
+ids: dict = {}
 if mode.startswith("dmragc:"):
     trainer.train_step()  # step 0: profiled, planned, re-executed under the plan
     eng = handles["dmr"]
@@ -127,6 +128,20 @@ if mode.startswith("dmragc:"):
         injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(agc_step)), seed=1).attach(trainer)
     for _ in range(1, cfg.train.steps):
         trainer.train_step()
+    trainer.settle()
+    summary = None
+elif mode.startswith("dmrids:"):  # dmrids:N: step 0 profiled and planned, then N steps: their op ids against the plan's
+    trainer.train_step()
+    eng = handles["dmr"]
+    profiled = {o.id: o.name for o in eng.profile.ops}
+    eng.cfg.coverage = True
+    for _ in range(int(mode.split(":")[1])):
+        trainer.train_step()
+        run = [(i, n) for i, n, phase, _, _ in eng.coverage if i != "-" and phase not in ("setup", "optimizer")]
+        ids.setdefault("steps", []).append({"static": sum(":dyn:" not in i and i in profiled for i, _ in run),
+                           "shifted": [(i, n) for i, n in run if ":dyn:" not in i and profiled.get(i, n) != n],
+                           "dynamic": sum(":dyn:" in i for i, _ in run)})
+    ids["profiled_dynamic"] = sum(":dyn:" in i for i in profiled)
     trainer.settle()
     summary = None
 elif mode.startswith("dmrloop:"):
@@ -147,5 +162,6 @@ torch.save({"state": trainer.state_dict_for_compare(), "steps": steps, "summary"
             "abft": abft,
             "fired": fired, "rank": trainer.rank, "waits": waits,
             "dmr": dict(dmr.totals) if dmr else {}, "dmr_coverage": dmr.coverage_report()["coverage"] if dmr else None,
-            "dmr_counts": dict(dmr.counts) if dmr else {}, "wait_s": getattr(sched, "wait_s", 0.0), "agc": agc},
+            "dmr_counts": dict(dmr.counts) if dmr else {}, "wait_s": getattr(sched, "wait_s", 0.0), "agc": agc,
+            "ids": ids},
            f"{out}/rank{trainer.rank}.pt")

@@ -61,3 +61,14 @@ def test_dmr_defers_into_expert_windows_and_rolls_back_bitwise(tmp_path, clean_e
     assert all(r["dmr_coverage"] == 1.0 for r in got)
     assert any(k.startswith(("checked-in-ep", "checked-in-dynamic")) for r in got for k in r["dmr_counts"])
     assert_bitwise(got, clean_ep)
+
+
+@pytest.mark.slow
+def test_dmr_op_ids_follow_the_plan_whatever_the_routing(tmp_path):
+    # 16 experts, 8 a rank, one each: which experts a rank's tokens reach changes from step to step, and each rank
+    # runs the ops of its loop only for the experts that got tokens (their ids are numbered apart)
+    got = run_dist(tmp_path, "ids", 2, "dmrids:3", *EP, "--model.n_experts", "16", "--model.top_k", "1",
+                   "--sdc.dmr.enabled", "true")
+    ids = [step for r in got for step in r["ids"]["steps"]]
+    assert any(step["dynamic"] != r["ids"]["profiled_dynamic"] for r in got for step in r["ids"]["steps"])
+    assert all(step["shifted"] == [] and step["static"] > 300 for step in ids), [s["shifted"][:3] for s in ids]

@@ -161,6 +161,16 @@ def test_dmr_on_two_stages_detects_a_bit_flip_and_ends_bitwise_equal(tmp_path, c
 
 
 @pytest.mark.slow
+def test_dmr_op_ids_of_every_step_are_the_plans(tmp_path):
+    # Autograd copies a first micro-batch's gradient instead of taking it over when the engine holds it for a
+    # check, which a profiled step does not: numbered with the other backward ops, that copy shifted the id of
+    # every backward op after it against the plan (about half of each stage's ops)
+    got = run_dist(tmp_path, "ids", 2, "dmrids:2", *PP, "--sdc.dmr.enabled", "true")
+    for r in got:
+        assert all(s["shifted"] == [] and s["static"] > 500 for s in r["ids"]["steps"]), r["ids"]["steps"][0]["shifted"][:3]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dmr:1:2:backward", "dmrocc:0:2:backward:560", "dmradam:1:2"])
 def test_dmr_stream_executor_on_two_stages_detects_decides_at_the_verdict_and_ends_bitwise(tmp_path, clean_pp2, mode):
     """The stream executor (the default on CUDA) on real pipeline windows: checkers launched before each transfer's

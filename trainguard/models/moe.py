@@ -4,14 +4,39 @@ Routing is data dependent (which tokens reach which expert changes every step): 
 planner and MoE fault campaigns rely on that. Expert parallelism plugs in through ``dispatcher``: when set
 (``trainguard.train.parallel.expert``), it computes the experts' contribution for the routed tokens (sending
 them to the ranks that hold their experts) instead of the local loop, and ``aux_reducer`` turns the local
-load-balancing statistics into the global batch's. Relies on plain ``torch`` (index_add for dispatch).
+load-balancing statistics into the global batch's. The loops over the experts run inside
+:func:`routed_region`: how many ops they run depends on the routing (an expert no token reached runs none).
+Relies on plain ``torch`` (index_add for dispatch).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_ROUTED = threading.local()
+
+
+@contextlib.contextmanager
+def routed_region() -> Iterator[None]:
+    """Ops run inside are as many as the routing makes them (a loop over the experts that got tokens). A verifier
+    that numbers the ops of a step (DMR's op ids, which its plan is keyed by) numbers these apart, so that the
+    routing does not shift the ids of the ops after them."""
+    before = getattr(_ROUTED, "active", False)
+    _ROUTED.active = True
+    try:
+        yield
+    finally:
+        _ROUTED.active = before
+
+
+def in_routed_region() -> bool:
+    return getattr(_ROUTED, "active", False)
 
 
 class Expert(nn.Module):
@@ -49,12 +74,13 @@ class MoEFeedForward(nn.Module):
             out = self.dispatcher(self, flat, weights, chosen)
         else:
             out = torch.zeros_like(flat)
-            for e, expert in enumerate(self.experts):
-                token_idx, slot = torch.nonzero(chosen == e, as_tuple=True)
-                if token_idx.numel() == 0:
-                    continue
-                y = expert(flat.index_select(0, token_idx)) * weights[token_idx, slot].unsqueeze(-1)
-                out = out.index_add(0, token_idx, y)
+            with routed_region():
+                for e, expert in enumerate(self.experts):
+                    token_idx, slot = torch.nonzero(chosen == e, as_tuple=True)
+                    if token_idx.numel() == 0:
+                        continue
+                    y = expert(flat.index_select(0, token_idx)) * weights[token_idx, slot].unsqueeze(-1)
+                    out = out.index_add(0, token_idx, y)
         # Switch Transformer load balance: E * sum_e (fraction routed to e) * (mean router prob of e).
         if self.aux_reducer is not None:
             self.last_aux_loss = self.aux_reducer(counts, probs.sum(0), chosen.shape[0])

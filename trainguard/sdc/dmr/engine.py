@@ -63,6 +63,7 @@ from torch.utils._pytree import tree_map
 from trainguard.errors import SuspectedHardwareFault
 from trainguard.faults.injector import _CHECKER as _INJECTOR_FLAG  # the flag checker_execution() sets
 from trainguard.faults.injector import checker_execution, injecting
+from trainguard.models.moe import in_routed_region
 from trainguard.sdc.dmr import ops as dops
 from trainguard.sdc.dmr.agc import StaleInput, Tape
 from trainguard.sdc.dmr.config import DMRConfig
@@ -160,6 +161,7 @@ class _Later:
 
 
 _storage_key = dops.storage_key
+_ACCUMULATE_SEQ = 2**64 - 1  # the sequence number torch gives every AccumulateGrad node (UINT64_MAX)
 
 
 def _free_memory_bytes(device: torch.device) -> int:
@@ -285,6 +287,7 @@ class DMREngine:
     def attach(self, trainer) -> DMREngine:
         model = self._model = trainer.model
         self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
         self._param_shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape[::-1]) for p in
                                                                            model.parameters()}
         for n, m in model.named_modules():
@@ -443,6 +446,17 @@ class DMREngine:
         self._ids[key] = n + 1
         return f"{key}:{n}"
 
+    def _accumulation_id(self, node, name: str) -> str:
+        """The id of an op autograd's gradient accumulation runs (``AccumulateGrad``: the ``add_`` of a later
+        micro-batch's gradient, or the copy of a first one it may not take over): numbered per parameter and op,
+        apart from the others. Whether a first gradient is copied depends on who else holds it (the engine's
+        deferred checks do, a profiled step's ops do not): counted with the others, that one copy shifted the id
+        of every later backward op of the step against the plan."""
+        key = f"backward:acc:{self._param_names.get(id(node.variable), '?')}:{name}"
+        n = self._ids[key]
+        self._ids[key] = n + 1
+        return f"{key}:{n}"
+
     # ---- activation-checkpoint segments (P-DMR) ---------------------------------------------------
     def _checkpoint_contexts(self):
         if not self.active:
@@ -561,8 +575,13 @@ class DMREngine:
             self.counts["naive"] += 1
             return self._naive(op_id, phase, func, args, kwargs)
         seg = self._segments[-1][0] if self._segments else None
-        owner = self._owner(phase)
-        dynamic = ".experts." in self.module() if phase in ("forward", "recompute") else bool(owner and owner[2])
+        node = torch._C._current_autograd_node() if phase == "backward" else None
+        seq = node._sequence_nr() if node is not None else -1
+        owner = self._seq_owner.get(seq) if node is not None else None
+        # data-dependent ops (MoE: the experts, and the loop over the experts that got tokens) are numbered apart,
+        # so that the routing does not shift the static ops' ids; their gradient ops follow them
+        dynamic = (".experts." in self.module() or in_routed_region()) if phase in ("forward", "recompute") \
+            else bool(owner and owner[2])
         ins = dops.tensors((args, kwargs))
         const = self._is_const(inf, ins)
         twin = rec = None
@@ -577,7 +596,7 @@ class DMREngine:
                 self._tape_alias(op_id, twin[0], out)
                 return out
         else:
-            op_id = self._next_id(phase, dynamic)
+            op_id = self._accumulation_id(node, name) if seq == _ACCUMULATE_SEQ else self._next_id(phase, dynamic)
         if self._profiling:
             if phase == "forward" and seg is not None and not const:
                 seg.records.append((op_id, name, None))

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.errors import ConfigError
-from trainguard.models.moe import MoEFeedForward
+from trainguard.models.moe import MoEFeedForward, routed_region
 from trainguard.train.guards import Verdict
 from trainguard.train.optim import scale_gradients, squared_norm
 from trainguard.train.parallel.base import Strategy, gather_to_main, init_default_group, reduce_verdicts_over
@@ -102,10 +102,11 @@ class ExpertParallelStrategy(Strategy):
         got = _AllToAll.apply(flat.index_select(0, token_idx), recv_l, send_l, self)
         y = torch.zeros_like(got)
         lo = self.rank * k
-        for e in range(lo, lo + k):
-            rows = torch.nonzero(their_expert == e).flatten()
-            if rows.numel():
-                y = y.index_add(0, rows, moe.experts[e](got.index_select(0, rows)))
+        with routed_region():  # (as many ops as experts that got tokens)
+            for e in range(lo, lo + k):
+                rows = torch.nonzero(their_expert == e).flatten()
+                if rows.numel():
+                    y = y.index_add(0, rows, moe.experts[e](got.index_select(0, rows)))
         back = _AllToAll.apply(y, send_l, recv_l, self)
         slot_weight = weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(flat).index_add(0, token_idx, back * slot_weight)
