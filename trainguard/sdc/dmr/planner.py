@@ -230,7 +230,7 @@ def phase1_pdmr(st: _State) -> None:
     ``pdmr_tail = "defer"``: B is the segment's tail, the ops after the last one the profiled recompute replayed
     (torch stops recomputing after the last tensor autograd saved). They are left to Phases 2-3, checked where
     they ran: nothing gathers their inputs again (B_c = 0), so the exception never applies. Not in a profile with
-    dynamic (MoE) ops: their routing shifts the ids that tell the tail apart.
+    dynamic (MoE) ops: tails of MoE segments are not tested yet (see the comment below).
     """
     # one segment per execution of a checkpointed module (``ac_call``; a hand-written profile has none: one per
     # micro-batch and module)
@@ -248,8 +248,9 @@ def phase1_pdmr(st: _State) -> None:
             # (a recompute runs in backward: its execution is its forward twin's)
             rec[forward_call.get(forward_of.get(o.id, ""), (o.microbatch, o.ac_segment, o.ac_call))].append(o)
     calls = Counter((mb, ac) for mb, ac, _ in fwd)
-    # Tails are told apart by op id, and the ids of an MoE model's static ops shift with its routing (the dispatch
-    # around the experts runs once per expert that got tokens): its segments keep the extra run (early stop off)
+    # Tails are told apart by op id. An MoE model's segments keep the extra run (early stop off): its static ids
+    # shifted with the routing until the loops over the experts were numbered with the dynamic ops, and tails of MoE
+    # segments have not been tested since
     tails = st.cfg.pdmr_tail == "defer" and not any(o.dynamic for o in st.ops)
     for (mb, ac, call), ops in fwd.items():
         last = next((o for o in reversed(ops) if o.seg_last), None) or max(ops, key=lambda o: (o.seg_index, st.pos[o.id]))
