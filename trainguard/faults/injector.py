@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -48,6 +47,7 @@ from trainguard.errors import TrainguardError
 from trainguard.faults.bits import FaultModel, random_index
 from trainguard.models.products import product_hooks
 from trainguard.train.activation_checkpoint import add_checkpoint_context
+from trainguard.utils.threadflag import ThreadFlag
 
 PHASES = ("forward", "recompute", "backward", "optimizer", "any")
 
@@ -127,7 +127,7 @@ class InjectionRecord:
         return d
 
 
-_CHECKER = threading.local()
+_CHECKER = ThreadFlag()
 _NOT_COMPUTE = ("aten.detach", "aten._unsafe_view", "aten.alias", "aten.lift_fresh", "aten.empty", "aten.new_empty")
 
 
@@ -139,25 +139,19 @@ def is_compute_op(func) -> bool:
     return not name.startswith(("c10d", "_c10d_functional", "profiler", "_dtensor"))
 
 
-_INJECTING = threading.local()
+_INJECTING = ThreadFlag()
 
 
 def injecting() -> bool:
     """True while an injector writes a fault (its own reads and writes are not ops of the step: a verifier
     such as DMR must not record them as part of the computation it checks)."""
-    return getattr(_INJECTING, "active", False)
+    return _INJECTING.active
 
 
-@contextlib.contextmanager
-def checker_execution(active: bool = True) -> Iterator[None]:
+def checker_execution(active: bool = True) -> contextlib.AbstractContextManager[None]:
     """Ops run inside are a verifier's own work (second executions, copies, fingerprints): the injector
     neither counts nor corrupts them. ``checker_execution(False)`` marks the primary execution inside."""
-    before = getattr(_CHECKER, "active", False)
-    _CHECKER.active = active
-    try:
-        yield
-    finally:
-        _CHECKER.active = before
+    return _CHECKER.set(active)
 
 
 def _written_tensor(func, args, kwargs, generator: torch.Generator) -> torch.Tensor | None:
@@ -330,7 +324,7 @@ class Injector:
                                             old, new, bit, f.model.kind))
 
     def _on_op(self, func, out, args=(), kwargs=None) -> None:
-        if self.step is None or self._injecting or getattr(_CHECKER, "active", False):
+        if self.step is None or self._injecting or _CHECKER.active:
             return
         if isinstance(out, torch.Tensor):
             if not out.is_floating_point():

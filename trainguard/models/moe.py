@@ -12,31 +12,25 @@ Relies on plain ``torch`` (index_add for dispatch).
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-_ROUTED = threading.local()
+from trainguard.utils.threadflag import ThreadFlag
+
+_ROUTED = ThreadFlag()
 
 
-@contextlib.contextmanager
-def routed_region() -> Iterator[None]:
+def routed_region() -> contextlib.AbstractContextManager[None]:
     """Ops run inside are as many as the routing makes them (a loop over the experts that got tokens). A verifier
     that numbers the ops of a step (DMR's op ids, which its plan is keyed by) numbers these apart, so that the
     routing does not shift the ids of the ops after them."""
-    before = getattr(_ROUTED, "active", False)
-    _ROUTED.active = True
-    try:
-        yield
-    finally:
-        _ROUTED.active = before
+    return _ROUTED.set(True)
 
 
 def in_routed_region() -> bool:
-    return getattr(_ROUTED, "active", False)
+    return _ROUTED.active
 
 
 class Expert(nn.Module):

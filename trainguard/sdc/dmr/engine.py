@@ -74,9 +74,10 @@ from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
 from trainguard.sdc.dmr.profile import OpRecord, Profile, Window
 from trainguard.train.activation_checkpoint import add_checkpoint_context, set_checkpoint_early_stop
 from trainguard.train.guards import StepGuard, Verdict
+from trainguard.utils.threadflag import ThreadFlag
 
 _FUSED_OPTIMIZERS = ("aten._fused_adamw_.default", "aten._fused_adam_.default")
-_CHECKING = threading.local()  # set while this thread runs deferred checkers
+_CHECKING = ThreadFlag()  # set while this thread runs deferred checkers
 _DEFERRED = ("d-inter", "d-intra", "agc")
 CARRY = "carry"  # the window of checks carried into the next iteration
 
@@ -84,13 +85,8 @@ CARRY = "carry"  # the window of checks carried into the next iteration
 @contextlib.contextmanager
 def _checking() -> Iterator[None]:
     """This thread runs engine executions (checkers, tie-breakers): the mode and the injector let them through."""
-    before = getattr(_CHECKING, "active", False)
-    _CHECKING.active = True
-    try:
-        with checker_execution():
-            yield
-    finally:
-        _CHECKING.active = before
+    with _CHECKING.set(True), checker_execution():
+        yield
 
 
 @dataclass
@@ -520,7 +516,7 @@ class DMREngine:
 
     # ---- execution -------------------------------------------------------------------------------
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
-        if getattr(_CHECKING, "active", False) or injecting():
+        if _CHECKING.active or injecting():
             # a checker execution (drain runs inside the mode), or a fault injector writing its fault from a
             # hook (its reads and writes are the fault, not ops of the step): run as is
             return func(*args, **kwargs)
@@ -542,7 +538,7 @@ class DMREngine:
             # (an op on a gradient that will be swapped writes nothing: settled only if it is not, in _dispatch)
             if (inf.written and swap is None) or inf.kind == "comm":
                 self._settle_written(func, args, kwargs, every=inf.kind == "comm")
-        before = getattr(_INJECTOR_FLAG, "active", False)
+        before = _INJECTOR_FLAG.active
         _INJECTOR_FLAG.active = True  # (checker_execution(), without a context manager per op)
         try:
             out = self._dispatch(func, args, kwargs, swap)
@@ -1815,7 +1811,7 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 
 def _primary(func, args, kwargs):
     """The op's primary execution: an op of the step as far as the fault injector is concerned."""
-    before = getattr(_INJECTOR_FLAG, "active", False)
+    before = _INJECTOR_FLAG.active
     _INJECTOR_FLAG.active = False
     try:
         out = func(*args, **kwargs)
