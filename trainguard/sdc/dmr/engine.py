@@ -437,21 +437,23 @@ class DMREngine:
         return ".".join(parts[:2]) if len(parts) >= 2 and parts[0] == "layers" else ""
 
     def _next_id(self, phase: str, dynamic: bool) -> str:
-        key = f"{phase}:dyn" if dynamic else phase
+        return self._numbered(f"{phase}:dyn" if dynamic else phase)
+
+    def _numbered(self, key: str) -> str:
         n = self._ids[key]
         self._ids[key] = n + 1
         return f"{key}:{n}"
 
-    def _accumulation_id(self, node, name: str) -> str:
-        """The id of an op autograd's gradient accumulation runs (``AccumulateGrad``: the ``add_`` of a later
-        micro-batch's gradient, or the copy of a first one it may not take over): numbered per parameter and op,
-        apart from the others. Whether a first gradient is copied depends on who else holds it (the engine's
-        deferred checks do, a profiled step's ops do not): counted with the others, that one copy shifted the id
-        of every later backward op of the step against the plan."""
-        key = f"backward:acc:{self._param_names.get(id(node.variable), '?')}:{name}"
-        n = self._ids[key]
-        self._ids[key] = n + 1
-        return f"{key}:{n}"
+    def _unowned_backward_id(self, name: str, dynamic: bool) -> str:
+        """The id of a backward op no forward op's node runs. One that autograd's gradient accumulation runs
+        (``AccumulateGrad``: the ``add_`` of a later micro-batch's gradient, or the copy of a first one it may not
+        take over) is numbered per parameter and op, apart from the others: whether a first gradient is copied
+        depends on who else holds it (the engine's deferred checks do, a profiled step's ops do not), and counted
+        with the others, that one copy shifted the id of every later backward op of the step against the plan."""
+        node = torch._C._current_autograd_node()
+        if node is not None and node._sequence_nr() == _ACCUMULATE_SEQ:
+            return self._numbered(f"backward:acc:{self._param_names.get(id(node.variable), '?')}:{name}")
+        return self._next_id("backward", dynamic)
 
     # ---- activation-checkpoint segments (P-DMR) ---------------------------------------------------
     def _checkpoint_contexts(self):
@@ -571,9 +573,7 @@ class DMREngine:
             self.counts["naive"] += 1
             return self._naive(op_id, phase, func, args, kwargs)
         seg = self._segments[-1][0] if self._segments else None
-        node = torch._C._current_autograd_node() if phase == "backward" else None
-        seq = node._sequence_nr() if node is not None else -1
-        owner = self._seq_owner.get(seq) if node is not None else None
+        owner = self._owner(phase)
         # data-dependent ops (MoE: the experts, and the loop over the experts that got tokens) are numbered apart,
         # so that the routing does not shift the static ops' ids; their gradient ops follow them
         dynamic = (".experts." in self.module() or in_routed_region()) if phase in ("forward", "recompute") \
@@ -592,7 +592,8 @@ class DMREngine:
                 self._tape_alias(op_id, twin[0], out)
                 return out
         else:
-            op_id = self._accumulation_id(node, name) if seq == _ACCUMULATE_SEQ else self._next_id(phase, dynamic)
+            op_id = self._unowned_backward_id(name, dynamic) if phase == "backward" and owner is None else \
+                self._next_id(phase, dynamic)
         if self._profiling:
             if phase == "forward" and seg is not None and not const:
                 seg.records.append((op_id, name, None))
