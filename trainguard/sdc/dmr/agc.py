@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from trainguard.sdc.dmr import ops as dops
 
@@ -39,7 +38,7 @@ class StaleInput(Exception):
 class _Entry:
     op_id: str
     func: Any
-    spec: Any  # pytree spec of (args, kwargs)
+    spec: Any  # how (args, kwargs) were flattened (dops.flatten_call)
     leaves: list[Any]  # ("slot", k) | ("view", k, size, stride, offset) | ("keep", tensor, version) | value
     expect: list[Any]  # fingerprints of the primary's output (and of aliased recompute outputs)
     out_slots: list[int]
@@ -71,7 +70,7 @@ class Tape:
 
     def record(self, op_id: str, func, args, kwargs, out, fingerprint: Callable[[Any], Any],
                is_param: Callable[[torch.Tensor], bool], produced_here: Callable[[torch.Tensor], bool]) -> None:
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = dops.flatten_call(args, kwargs)
         rec: list[Any] = []
         for x in leaves:
             if not isinstance(x, torch.Tensor):
@@ -143,7 +142,7 @@ class Tape:
                     args.append(leaf[1])
                 else:
                     args.append(leaf)
-            a, k = tree_unflatten(args, e.spec)
+            a, k = dops.unflatten_call(args, e.spec)
             out = dops.clear_unset(e.func, a, k, e.func(*a, **k))
             if not agree(str(e.func), e.expect[0], fingerprint(out)):
                 return e.op_id

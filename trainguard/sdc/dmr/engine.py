@@ -47,6 +47,7 @@ Relies on torch (``TorchDispatchMode``, autograd sequence numbers, module and op
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -151,8 +152,12 @@ class _Later:
 
     def __init__(self, value: Any, ts: list[torch.Tensor]):
         self.value = value
-        self.versions = [t._version for t in ts]
-        self.nbytes = dops.bytes_of(ts)
+        if len(ts) == 1:  # (most ops: one output)
+            self.versions = [ts[0]._version]
+            self.nbytes = ts[0].nbytes
+        else:
+            self.versions = [t._version for t in ts]
+            self.nbytes = dops.bytes_of(ts)
         self.fp: dops.Fingerprint | None = None
 
 
@@ -193,6 +198,22 @@ def _with_routing(out: Any, kept: Any) -> Any:
     if isinstance(out, (tuple, list)) and len(out) == len(kept):
         return type(out)(k if k is not None else o for o, k in zip(out, kept))
     return out
+
+
+@functools.cache
+def _is_list_update(name: str) -> bool:
+    """A fused optimizer, or an in-place op over lists of tensors (``aten._foreach_mul_``...)."""
+    return name in _FUSED_OPTIMIZERS or (name.startswith("aten._foreach_") and name.split(".")[1].endswith("_"))
+
+
+def _idle_priority() -> None:
+    """Run this thread (a window's checker worker) only on a core nothing else wants: Linux's SCHED_IDLE class. The
+    checkers fill idle time; on a host whose cores the ranks share, the same class keeps them from taking a core
+    from another rank's critical path, as a low-priority side stream does on a device. Elsewhere a no-op."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # (pid 0: this thread)
+    except (AttributeError, OSError):
+        pass
 
 
 def _rss_bytes() -> int:
@@ -444,13 +465,13 @@ class DMREngine:
         self._ids[key] = n + 1
         return f"{key}:{n}"
 
-    def _unowned_backward_id(self, name: str, dynamic: bool) -> str:
+    def _unowned_backward_id(self, node: Any, name: str, dynamic: bool) -> str:
         """The id of a backward op no forward op's node runs. One that autograd's gradient accumulation runs
         (``AccumulateGrad``: the ``add_`` of a later micro-batch's gradient, or the copy of a first one it may not
         take over) is numbered per parameter and op, apart from the others: whether a first gradient is copied
         depends on who else holds it (the engine's deferred checks do, a profiled step's ops do not), and counted
-        with the others, that one copy shifted the id of every later backward op of the step against the plan."""
-        node = torch._C._current_autograd_node()
+        with the others, that one copy shifted the id of every later backward op of the step against the plan.
+        ``node``: the autograd node running (None outside one)."""
         if node is not None and node._sequence_nr() == _ACCUMULATE_SEQ:
             return self._numbered(f"backward:acc:{self._param_names.get(id(node.variable), '?')}:{name}")
         return self._next_id("backward", dynamic)
@@ -488,7 +509,7 @@ class DMREngine:
 
     # ---- strategy choice -------------------------------------------------------------------------
     def strategy_for(self, op_id: str, phase: str, name: str, dynamic: bool, in_segment: bool) -> tuple[str, str | None]:
-        if name in _FUSED_OPTIMIZERS or (name.startswith("aten._foreach_") and name.split(".")[1].endswith("_")):
+        if _is_list_update(name):
             # in-place ops over lists of tensors (the update; gradient scaling and clipping, in any phase): in
             # cache-sized pieces, at once
             return "optimizer", None
@@ -543,7 +564,7 @@ class DMREngine:
         before = _INJECTOR_FLAG.active
         _INJECTOR_FLAG.active = True  # (checker_execution(), without a context manager per op)
         try:
-            out = self._dispatch(func, args, kwargs, swap)
+            out = self._dispatch(func, args, kwargs, swap, inf)
         finally:
             _INJECTOR_FLAG.active = before
         if self.deferrable:
@@ -551,8 +572,8 @@ class DMREngine:
                 self._produced[id(t)] = weakref.ref(t)
         return out
 
-    def _dispatch(self, func, args: tuple, kwargs: dict, swap=None) -> Any:
-        inf = dops.info(func)
+    def _dispatch(self, func, args: tuple, kwargs: dict, swap=None, inf: dops.OpInfo | None = None) -> Any:
+        inf = inf if inf is not None else dops.info(func)
         if inf.kind != "compute":
             if self._profiling and inf.kind == "comm" and not self._setup:
                 return self._record(func, args, kwargs, "C", self.phase(), None, False)
@@ -573,7 +594,8 @@ class DMREngine:
             self.counts["naive"] += 1
             return self._naive(op_id, phase, func, args, kwargs)
         seg = self._segments[-1][0] if self._segments else None
-        owner = self._owner(phase)
+        node = torch._C._current_autograd_node() if phase == "backward" else None
+        owner = self._seq_owner.get(node._sequence_nr()) if node is not None else None
         # data-dependent ops (MoE: the experts, and the loop over the experts that got tokens) are numbered apart,
         # so that the routing does not shift the static ops' ids; their gradient ops follow them
         dynamic = (".experts." in self.module() or in_routed_region()) if phase in ("forward", "recompute") \
@@ -592,7 +614,7 @@ class DMREngine:
                 self._tape_alias(op_id, twin[0], out)
                 return out
         else:
-            op_id = self._unowned_backward_id(name, dynamic) if phase == "backward" and owner is None else \
+            op_id = self._unowned_backward_id(node, name, dynamic) if phase == "backward" and owner is None else \
                 self._next_id(phase, dynamic)
         if self._profiling:
             if phase == "forward" and seg is not None and not const:
@@ -635,7 +657,7 @@ class DMREngine:
             if strategy == "agc":
                 out = _primary(func, args, kwargs)  # checked by its segment's replay
             elif strategy in ("d-inter", "d-intra", "dynamic"):
-                out = self._defer(op_id, phase, strategy, window, func, args, kwargs, ins, swap)
+                out = self._defer(op_id, phase, strategy, window, func, args, kwargs, ins, swap, inf)
             else:
                 out = self._naive(op_id, phase, func, args, kwargs, repair=phase == "optimizer")
         if rec is not None:
@@ -1300,8 +1322,8 @@ class DMREngine:
             self.totals["detected"] += 1
 
     # ---- deferred checks (D-DMR, AGC, dynamic) -----------------------------------------------------
-    def _defer(self, op_id, phase, strategy, window, func, args, kwargs, ins=None, swap=None) -> Any:
-        inf = dops.info(func)
+    def _defer(self, op_id, phase, strategy, window, func, args, kwargs, ins=None, swap=None, inf=None) -> Any:
+        inf = inf if inf is not None else dops.info(func)
         if dops.random_call(inf, args, kwargs) or (inf.written and dops.written_args(func, args, kwargs)):
             if swap is not None:
                 return self._swapped(op_id, phase, strategy, window, swap, args, kwargs)
@@ -1369,7 +1391,7 @@ class DMREngine:
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
         if not self.cfg.fingerprints:
             nbytes += dops.bytes_of(dops.tensors(expect))
-        d = Deferred(op_id, dops.info(func).name, phase, strategy, window, run, expect, nbytes, est, held=held)
+        d = Deferred(op_id, inf.name, phase, strategy, window, run, expect, nbytes, est, held=held)
         if strategy == "dynamic":
             self.dynamic.enqueue(Entry(op_id, nbytes, est, lambda d=d: self._check(d, "dynamic")))
         else:
@@ -1554,6 +1576,7 @@ class DMREngine:
         failed: list[BaseException] = []
 
         def work() -> None:
+            _idle_priority()
             try:
                 with _checking():
                     self._window_checks(wid, kind, todo, tapes, ran, lambda: not closed.is_set())

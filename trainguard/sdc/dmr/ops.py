@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 _VIEW_LIKE = ("aten._unsafe_view", "aten.alias", "aten.lift_fresh")
@@ -119,7 +119,10 @@ def written_args(func, args: tuple, kwargs: dict, skip: tuple = ()) -> list[torc
 
 def bytes_of(ts: Iterable[torch.Tensor]) -> int:
     """The bytes the tensors ``ts`` hold (elements x element size; views counted at their own size)."""
-    return sum(t.numel() * t.element_size() for t in ts)
+    n = 0
+    for t in ts:  # (a loop, not sum() over a generator: this runs for nearly every op of a DMR step)
+        n += t.nbytes
+    return n
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -201,6 +204,31 @@ def _collect(value: Any, out: list[torch.Tensor], k: int) -> None:
                 _collect(v, out, _kind(type(v)) if kv is None else kv)
     elif k == _OTHER:
         out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+
+
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    """An op's ``(args, kwargs)`` as a list of leaves and a spec :func:`unflatten_call` rebuilds them from. Most ops'
+    arguments are tensors, scalars and lists of scalars: those are split as they are (a list of scalars is one leaf,
+    copied), several times faster than torch's pytree, which the rest (lists of tensors) still goes through."""
+    leaves: list[Any] = []
+    for v in (*args, *kwargs.values()):
+        k = _KINDS.get(type(v))
+        if k is None:
+            k = _kind(type(v))
+        if k == _SEQ and all(_kind(type(x)) == _LEAF for x in v):
+            v = tuple(v) if type(v) is list else v  # (the caller may reuse its list; aten reads a tuple alike)
+        elif k != _TENSOR and k != _LEAF:
+            return tree_flatten((args, kwargs))
+        leaves.append(v)
+    return leaves, (len(args), tuple(kwargs))
+
+
+def unflatten_call(leaves: list[Any], spec: Any) -> tuple[tuple, dict]:
+    """The ``(args, kwargs)`` :func:`flatten_call` split into ``leaves`` (with tensors replaced as the caller chose)."""
+    if type(spec) is tuple:
+        n, keys = spec
+        return tuple(leaves[:n]), dict(zip(keys, leaves[n:]))
+    return tree_unflatten(leaves, spec)
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
