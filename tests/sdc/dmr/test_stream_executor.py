@@ -6,6 +6,7 @@ On CPU the side stream is torch.cpu's no-op one, so these tests check the execut
 in which order, that a detection decided at the verdict still retries (or rewinds, or repairs) the right
 iteration, bitwise. Whether the checkers overlap a transfer on a GPU is not testable here (see docs/dmr.md)."""
 
+import os
 import threading
 import time
 
@@ -177,3 +178,22 @@ def test_every_flag_is_acted_on_before_a_handler_that_raised_is_reported():
     with pytest.raises(RuntimeError, match="boom"):
         eng._read_flags()
     assert ran == ["agrees", "differs2"] and eng._flags == []
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
+@pytest.mark.parametrize("priority", ["idle", "normal"])
+def test_window_checkers_run_in_the_idle_scheduling_class_and_the_step_does_not(batches, priority):
+    t = trainer(batches)
+    eng = windowed(t, "thread", checker_priority=priority)
+    seen = []
+    checks = eng._window_checks
+
+    def recording(*args, **kwargs):
+        seen.append(os.sched_getscheduler(0))
+        return checks(*args, **kwargs)
+
+    eng._window_checks = recording
+    t.train_step()  # profiled, then planned
+    t.train_step()
+    assert seen and set(seen) == ({os.SCHED_IDLE} if priority == "idle" else {os.sched_getscheduler(0)})
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE

@@ -54,6 +54,10 @@ class DMRConfig:
         "main thread waits: CPU), stream (a side stream of the device, launched before the wait, with comparisons "
         "kept as device flags read once at the verdict: CUDA; on CPU the stream is a no-op and the checkers run "
         "before the wait), auto (stream on CUDA, thread otherwise)")
+    checker_priority: Literal["idle", "normal"] = setting(
+        "idle", help="the thread executor's worker: idle (Linux's SCHED_IDLE class: it only gets a core nothing else "
+        "wants, so the checkers never slow a rank's critical path where ranks share a host's cores) or normal (the "
+        "main thread's priority)")
     plan: str = setting("", help="a DMR plan JSON (trainguard plan dmr --out); empty: profile and plan at the start")
     profile_steps: int = setting(1, help="steps profiled before planning (they run with naive DMR)")
     determinism_report: str = setting("", help="tolerance mode: a determinism report JSON (from a clean run)")

@@ -1576,7 +1576,8 @@ class DMREngine:
         failed: list[BaseException] = []
 
         def work() -> None:
-            _idle_priority()
+            if self.cfg.checker_priority == "idle":
+                _idle_priority()
             try:
                 with _checking():
                     self._window_checks(wid, kind, todo, tapes, ran, lambda: not closed.is_set())
