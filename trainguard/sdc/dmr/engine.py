@@ -152,12 +152,8 @@ class _Later:
 
     def __init__(self, value: Any, ts: list[torch.Tensor]):
         self.value = value
-        if len(ts) == 1:  # (most ops: one output)
-            self.versions = [ts[0]._version]
-            self.nbytes = ts[0].nbytes
-        else:
-            self.versions = [t._version for t in ts]
-            self.nbytes = dops.bytes_of(ts)
+        self.versions = [t._version for t in ts]
+        self.nbytes = dops.bytes_of(ts)
         self.fp: dops.Fingerprint | None = None
 
 
@@ -572,8 +568,7 @@ class DMREngine:
                 self._produced[id(t)] = weakref.ref(t)
         return out
 
-    def _dispatch(self, func, args: tuple, kwargs: dict, swap=None, inf: dops.OpInfo | None = None) -> Any:
-        inf = inf if inf is not None else dops.info(func)
+    def _dispatch(self, func, args: tuple, kwargs: dict, swap, inf: dops.OpInfo) -> Any:
         if inf.kind != "compute":
             if self._profiling and inf.kind == "comm" and not self._setup:
                 return self._record(func, args, kwargs, "C", self.phase(), None, False)
