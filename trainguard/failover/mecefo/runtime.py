@@ -18,8 +18,9 @@ of them from the last DCP checkpoint (a fresh lighthouse; failures that already 
 
 Processes are started with ``forkserver`` (torch preloaded) like SPARe's runtime. Every committed step is reported
 to the launcher (membership, failures, roles, compute time, MeCeFO's samples), and every finishing worker sends a
-digest of its parameters and optimizer state (or the tensors themselves, ``return_state``). Relies on torch,
-torchft (through the strategy) and ``torch.multiprocessing``.
+digest of its parameters and optimizer state (or the tensors themselves, ``return_state``), each process on a
+pipe of its own (:mod:`trainguard.utils.reports`: a worker killed mid-report cannot silence the others). Relies
+on torch, torchft (through the strategy) and ``torch.multiprocessing``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from trainguard.failover.mecefo.policy import METHODS, GlobalRestart, make_polic
 from trainguard.failover.mecefo.timeline import Failure, FailureTimeline
 from trainguard.faults.failstop import FailStop, KillPoint
 from trainguard.train.checkpoint import CheckpointManager
+from trainguard.utils.reports import Reports, ReportSender
 
 RUN_METHODS = (*METHODS, "elastic")  # "elastic": the plain data-parallel policy (no failover technique)
 
@@ -153,8 +155,8 @@ def _finish_info(trainer) -> dict[str, Any]:
 class _Reporter:
     """Sends every committed step's record to the launcher."""
 
-    def __init__(self, worker: int, queue, comp: MeCeFO | None):
-        self.worker, self.queue, self.comp = worker, queue, comp
+    def __init__(self, worker: int, reports: ReportSender, comp: MeCeFO | None):
+        self.worker, self.reports, self.comp = worker, reports, comp
 
     def on_step_end(self, trainer, result) -> None:
         rec = trainer.strategy.record
@@ -169,7 +171,7 @@ class _Reporter:
         info["degraded"] = failures[-1]["degraded"] if failures else rec["policy"].get("degraded", [])
         if self.comp is not None:
             info["mecefo"] = dict(self.comp.last)
-        self.queue.put(("step", self.worker, info))
+        self.reports.put(("step", self.worker, info))
 
 
 class _HoldForRejoin:
@@ -196,7 +198,7 @@ class _Release:
 
 
 def _worker_main(r: int, cfg: FailoverRunConfig, lighthouse: str, resume: bool, pending: tuple[Failure, ...],
-                 barrier, queue, batches, events: dict, replacing: tuple[int, int] | None) -> None:
+                 barrier, reports: ReportSender, batches, events: dict, replacing: tuple[int, int] | None) -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     from trainguard.train.parallel.elastic import DataParallelPolicy, ElasticStrategy
     from trainguard.train.parallel.torchft_group import quiet_torchft_logs
@@ -211,12 +213,11 @@ def _worker_main(r: int, cfg: FailoverRunConfig, lighthouse: str, resume: bool, 
         trainer = Trainer(trainer_config(cfg, r, lighthouse, resume), batches=batches,
                           strategy=ElasticStrategy(policy), progress=False)
         comp = MeCeFO(cfg.mecefo).install(trainer) if cfg.method == "mecefo" else None
-        trainer.callbacks.append(_Reporter(r, queue, comp))
+        trainer.callbacks.append(_Reporter(r, reports, comp))
         trainer.callbacks.append(_HoldForRejoin(r, list(pending), events, cfg.steps, cfg.rejoin_wait_s))
 
         def report_kill(p: KillPoint) -> None:
-            queue.put(("killed", r, {"step": p.step, "when": p.point}))
-            time.sleep(0.2)  # let the queue's feeder thread flush before the fail-stop
+            reports.put(("killed", r, {"step": p.step, "when": p.point}))  # sent before put returns
 
         after = replacing[1] if replacing is not None else -1  # a new process: only the failures after its rejoin
         kills = [KillPoint(f.step, "compute") for f in pending if f.real and f.node == r and f.step > after
@@ -235,17 +236,17 @@ def _worker_main(r: int, cfg: FailoverRunConfig, lighthouse: str, resume: bool, 
         if cfg.eval_batches and trainer.strategy.is_main:
             out.update(trainer.evaluate(cfg.eval_batches))
         if cfg.return_state:
-            blob = io.BytesIO()  # by value: a tensor sent through the queue would live in this dying process
+            blob = io.BytesIO()  # by value: a tensor sent through the pipe would live in this dying process
             torch.save(trainer.state_dict_for_compare(optimizer=True), blob)
             out["state"] = blob.getvalue()
         if comp is not None:
             out["samples"] = comp.samples
             out["svd_refreshes"] = comp.svd_refreshes
-        queue.put(("done", r, out))
+        reports.put(("done", r, out))
     except GlobalRestart as g:
-        queue.put(("restart", r, {"step": g.step, "failed": g.failed, "real": g.real}))
+        reports.put(("restart", r, {"step": g.step, "failed": g.failed, "real": g.real}))
     except Exception as e:  # report, then die like any failed worker (the others carry on)
-        queue.put(("error", r, {"message": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}))
+        reports.put(("error", r, {"message": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}))
         raise
     finally:
         if trainer is not None:
@@ -314,7 +315,7 @@ class _Launch:
         self.cfg, self.ctx, self.batches, self.resume, self.restarts, self.emit = cfg, ctx, batches, resume, restarts, emit
         self.pending = pending
         self.lighthouse = start_lighthouse(heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
-        self.queue = ctx.Queue()
+        self.reports = Reports(ctx)  # a pipe per process: a worker killed mid-report must not silence the others
         self.barrier = ctx.Barrier(cfg.workers)
         self.events = {(f.node, f.step): ctx.Event() for f in pending if f.real}
         self.procs: dict[tuple[int, int], Any] = {}  # (worker, pid) -> process
@@ -325,10 +326,12 @@ class _Launch:
         self.restart_req: dict | None = None
 
     def start(self, r: int, replacing: tuple[int, int] | None = None) -> None:
+        sender = self.reports.sender()
         p = self.ctx.Process(target=_worker_main, daemon=True, args=(
             r, self.cfg, self.lighthouse.address(), self.resume and replacing is None, self.pending,
-            None if replacing else self.barrier, self.queue, self.batches, self.events, replacing))
+            None if replacing else self.barrier, sender, self.batches, self.events, replacing))
         p.start()
+        self.reports.started(sender)
         self.procs[(r, p.pid)] = p
         self.live_pid[r] = p.pid
         self.emit("started", r, {"pid": p.pid, "replacing": replacing})
@@ -363,6 +366,7 @@ class _Launch:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        self.reports.close()
         self.lighthouse.shutdown()
 
 
@@ -431,7 +435,7 @@ def run_failover(cfg: FailoverRunConfig, progress: Callable[[str, int, dict], No
                     if cfg.method != "checkpoint_restart":
                         run.rejoin_due()
                     try:
-                        kind, r, info = run.queue.get(timeout=0.2)
+                        kind, r, info = run.reports.get(timeout=0.2)
                         last_news = time.monotonic()
                     except queue_mod.Empty:
                         if time.monotonic() - last_news > patience:

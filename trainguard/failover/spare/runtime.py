@@ -2,8 +2,10 @@
 
 Relies on :mod:`trainguard.train.parallel.elastic` (``ElasticStrategy``: torchft quorum, membership, ordered
 all-reduce, ``should_commit``), :class:`~trainguard.failover.spare.controller.ReCtlr`,
-:mod:`trainguard.faults.failstop` (kills) and ``torch.multiprocessing`` (one process per data-parallel group,
-so a killed group is a real fail-stop: ``SIGKILL``, its sockets close, its heartbeats stop).
+:mod:`trainguard.faults.failstop` (kills), ``torch.multiprocessing`` (one process per data-parallel group,
+so a killed group is a real fail-stop: ``SIGKILL``, its sockets close, its heartbeats stop) and
+:mod:`trainguard.utils.reports` (each group reports on a pipe of its own: one killed mid-report cannot
+silence the others).
 
 The global batch of a step is ``N`` slices, one per *shard type*; slice ``t`` of step ``i`` is a pure function
 of ``(seed, i, t)``, so any group can compute any type it hosts. Group ``g`` hosts the ``r`` types of the
@@ -50,6 +52,7 @@ from trainguard.faults.failstop import POINTS, ExternalKiller, FailStop, KillPoi
 from trainguard.train.checkpoint import CheckpointManager
 from trainguard.train.parallel.base import MicroBatch
 from trainguard.train.parallel.elastic import GradSyncPolicy, Recovery, StepView, SyncPlan
+from trainguard.utils.reports import Reports, ReportSender
 
 KILL_WHEN = POINTS  # start (before the step's quorum), plan, compute (before the all-reduce), forward_backward, update
 
@@ -305,8 +308,8 @@ class RunningGroups:
 class _Reporter:
     """Sends every committed step's record to the launcher."""
 
-    def __init__(self, group: int, queue):
-        self.group, self.queue = group, queue
+    def __init__(self, group: int, reports: ReportSender):
+        self.group, self.reports = group, reports
 
     def on_step_end(self, trainer, result) -> None:
         rec = trainer.strategy.record
@@ -314,13 +317,13 @@ class _Reporter:
         failures = [e for e in rec["events"] if e["event"] == "failure"]
         patches = sum(1 for e in failures for h in e.get("patches", {}).values() if h == self.group)
         phase = next((e["phase"] for e in reversed(failures) if e.get("phase")), "") or pol.get("phase", "")
-        self.queue.put(("step", self.group, {
+        self.reports.put(("step", self.group, {
             "step": rec["step"], "stack": pol.get("stack", 0), "computed": rec["work"].get(self.group, 0),
             "patches": patches, "failed": rec["failed"], "phase": phase, "loss": result.loss,
             "recovery_s": [round(e["recovery_s"], 3) for e in failures]}))
 
 
-def _group_main(g: int, cfg: SpareRunConfig, lighthouse: str, resume: bool, barrier, queue, batches=None) -> None:
+def _group_main(g: int, cfg: SpareRunConfig, lighthouse: str, resume: bool, barrier, reports: ReportSender, batches=None) -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     from trainguard.train.parallel.elastic import ElasticStrategy
     from trainguard.train.parallel.torchft_group import quiet_torchft_logs
@@ -332,11 +335,10 @@ def _group_main(g: int, cfg: SpareRunConfig, lighthouse: str, resume: bool, barr
     try:
         trainer = Trainer(trainer_config(cfg, g, lighthouse, resume), batches=batches,
                           strategy=ElasticStrategy(SparePolicy(cfg.groups, cfg.redundancy)), progress=False)
-        trainer.callbacks.append(_Reporter(g, queue))
+        trainer.callbacks.append(_Reporter(g, reports))
 
         def report_kill(p: KillPoint) -> None:
-            queue.put(("killed", g, {"step": p.step, "when": p.point}))
-            time.sleep(0.2)  # let the queue's feeder thread flush before the fail-stop
+            reports.put(("killed", g, {"step": p.step, "when": p.point}))  # sent before put returns: no flush to wait for
 
         kills = [KillPoint(k.step, k.when) for k in cfg.kills if k.group == g and k.step >= trainer.step_idx]
         if kills:
@@ -346,13 +348,13 @@ def _group_main(g: int, cfg: SpareRunConfig, lighthouse: str, resume: bool, barr
         except threading.BrokenBarrierError:
             pass
         trainer.run()
-        blob = io.BytesIO()  # by value: a tensor sent through the queue would live in this dying process
+        blob = io.BytesIO()  # by value: a tensor sent through the pipe would live in this dying process
         torch.save(trainer.model.state_dict(), blob)
-        queue.put(("done", g, {"state": blob.getvalue(), "stack": trainer.strategy.policy.ctl.stack}))
+        reports.put(("done", g, {"state": blob.getvalue(), "stack": trainer.strategy.policy.ctl.stack}))
     except SpareWipeout as w:
-        queue.put(("wipeout", g, {"step": w.step, "failed": w.failed, "types": w.types}))
+        reports.put(("wipeout", g, {"step": w.step, "failed": w.failed, "types": w.types}))
     except Exception as e:  # report, then die like any failed group (the others carry on)
-        queue.put(("error", g, {"message": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}))
+        reports.put(("error", g, {"message": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}))
         raise
     finally:
         if trainer is not None:
@@ -452,11 +454,14 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
         while True:
             run_cfg = SpareRunConfig(**{**cfg.__dict__, "kills": tuple(pending)})
             lh = start_lighthouse(heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
-            barrier, queue = ctx.Barrier(cfg.groups), ctx.Queue()
-            procs = [ctx.Process(target=_group_main, args=(g, run_cfg, lh.address(), resume, barrier, queue, batches),
-                                 daemon=True) for g in range(cfg.groups)]
+            # a pipe per group, not a shared queue: a group killed mid-report must not silence the others
+            barrier, reports = ctx.Barrier(cfg.groups), Reports(ctx)
+            senders = [reports.sender() for _ in range(cfg.groups)]
+            procs = [ctx.Process(target=_group_main, args=(g, run_cfg, lh.address(), resume, barrier, senders[g],
+                                                           batches), daemon=True) for g in range(cfg.groups)]
             for g, p in enumerate(procs):
                 p.start()
+                reports.started(senders[g])
                 emit("started", g, {"pid": p.pid})
             wiped = None
             finished: dict[int, str] = {}  # group -> how its process ended (done, wipeout, killed, error, died)
@@ -467,7 +472,7 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
             try:
                 while len(finished) < cfg.groups:
                     try:
-                        kind, g, info = queue.get(timeout=0.5)
+                        kind, g, info = reports.get(timeout=0.5)
                         last_news = time.monotonic()
                     except queue_mod.Empty:
                         if time.monotonic() - last_news > patience:
@@ -522,6 +527,7 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
                     if p.is_alive():
                         p.kill()
                         p.join(timeout=5)
+                reports.close()
                 lh.shutdown()
             if wiped is None and done:
                 break
