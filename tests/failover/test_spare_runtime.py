@@ -9,6 +9,7 @@ reported: --kill, a signal from outside, a crash.
 
 import queue
 import threading
+import time
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from trainguard.failover.spare.runtime import (
     reference_run,
     run_spare,
 )
-from trainguard.faults.failstop import ExternalKiller
+from trainguard.faults.failstop import ExternalKiller, kill_pid
 from trainguard.train.parallel.elastic import StepView
 
 TINY = dict(dim=32, n_layers=1, n_heads=2, ffn_hidden=64)
@@ -72,6 +73,29 @@ def test_wipe_out_triggers_a_global_restart_from_the_last_checkpoint():
     assert res.survivors == [0, 1, 2, 3]  # the restart brings every group back
     assert [lg["step"] for lg in res.step_logs] == list(range(cfg.steps))
     assert [lg["stack"] for lg in res.step_logs][4:] == [1, 1]  # all groups back: the initial placement again
+    _assert_bitwise_equal(res.state, reference_run(cfg))
+
+
+@pytest.mark.slow
+def test_a_group_killed_while_waiting_for_the_others_at_the_start_does_not_hang_the_run():
+    # group 0 reports it is up, then is SIGKILLed while it waits at the start gate for the others; the launcher
+    # must still let the others start (a multiprocessing Barrier's abort() would block on the dead waiter)
+    cfg = _cfg(steps=4)
+    fired: list[int] = []
+
+    def kill_first_ready(kind, g, info):
+        if kind == "started" and g == 0:
+            fired.append(info["pid"])
+        elif kind == "ready" and g == 0 and len(fired) == 1:
+            time.sleep(0.5)  # inside its wait by now
+            kill_pid(fired[0])
+            fired.append(-1)
+
+    res = run_spare(cfg, progress=kill_first_ready)
+    assert len(fired) == 2, "group 0 was not killed at the gate"
+    assert [(d["group"], d["step"], d["cause"]) for d in res.deaths] == [(0, 0, "signal")]
+    assert res.survivors == [1, 2, 3] and res.survivors_agree and res.global_restarts == 0
+    assert [lg["step"] for lg in res.step_logs] == list(range(cfg.steps))
     _assert_bitwise_equal(res.state, reference_run(cfg))
 
 

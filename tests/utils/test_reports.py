@@ -1,18 +1,22 @@
-"""Reports: a worker SIGKILLed at any moment, even halfway through a report, silences only itself.
+"""Reports and the start gate: a worker SIGKILLed at any moment (halfway through a report, waiting at the
+gate) silences or blocks only itself.
 
-The fault injected is the one that hung the SPARe runtime on a shared ``multiprocessing.Queue``: a worker
-killed while its message is half written. Workers are real processes (spawn), killed with SIGKILL.
+The faults injected: a worker killed while its message is half written (what hung the SPARe runtime on a
+shared ``multiprocessing.Queue``), and a worker killed while it waits at the gate (after which a
+``multiprocessing`` Barrier's ``abort`` or Event's ``set`` blocks for good). Workers are real processes
+(spawn), killed with SIGKILL.
 """
 
 import multiprocessing as mp
 import os
 import queue
 import signal
+import threading
 import time
 
 import pytest
 
-from trainguard.utils.reports import Reports
+from trainguard.utils.reports import Reports, StartGate
 
 BIG = 8 << 20  # far beyond a pipe's buffer: the writer blocks halfway through the message
 
@@ -30,6 +34,11 @@ def _send_two_and_exit(sender) -> None:
 def _last_words_then_sigkill(sender, who: int) -> None:
     sender.put(("killed", who))
     os.kill(os.getpid(), signal.SIGKILL)  # no flush, no exit handlers
+
+
+def _wait_at_gate(gate, sender, who: int) -> None:
+    sender.put(("ready", who))
+    sender.put(("through", who, gate.wait(60)))
 
 
 def _drain(reports: Reports, want: int, timeout_s: float) -> list:
@@ -102,3 +111,37 @@ def test_get_without_any_message_raises_empty_after_its_timeout(ctx):
     with pytest.raises(queue.Empty):  # its end is read, not mistaken for a message
         reports.get(timeout=0.2)
     assert reports.ended == 1
+
+
+def test_a_worker_killed_while_waiting_at_the_gate_does_not_block_its_opening(ctx):
+    reports, gate = Reports(ctx), StartGate(ctx)
+    procs = []
+    for who in range(2):
+        s, w = reports.sender(), gate.waiter()
+        p = ctx.Process(target=_wait_at_gate, args=(w, s, who), daemon=True)
+        p.start()
+        reports.started(s)
+        gate.started(w)
+        procs.append(p)
+    assert sorted(_drain(reports, 2, 60)) == [("ready", 0), ("ready", 1)]
+    time.sleep(0.5)  # both are inside wait()
+    os.kill(procs[0].pid, signal.SIGKILL)
+    procs[0].join(10)
+    opener = threading.Thread(target=gate.open, daemon=True)
+    opener.start()
+    opener.join(10)
+    assert not opener.is_alive(), "opening the gate blocked on the killed waiter"
+    assert _drain(reports, 1, 30) == [("through", 1, True)]
+    procs[1].join(10)
+    assert procs[1].exitcode == 0
+    reports.close()
+
+
+def test_the_gate_holds_until_opened_and_a_late_waiter_goes_straight_through(ctx):
+    gate = StartGate(ctx)
+    w = gate.waiter()
+    assert w.wait(0.2) is False  # closed: the wait times out
+    gate.open()
+    assert w.wait(0.0) is True
+    gate.open()  # idempotent
+    assert gate.waiter().wait(0.0) is True  # created after the opening

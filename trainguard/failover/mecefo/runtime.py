@@ -19,7 +19,8 @@ of them from the last DCP checkpoint (a fresh lighthouse; failures that already 
 Processes are started with ``forkserver`` (torch preloaded) like SPARe's runtime. Every committed step is reported
 to the launcher (membership, failures, roles, compute time, MeCeFO's samples), and every finishing worker sends a
 digest of its parameters and optimizer state (or the tensors themselves, ``return_state``), each process on a
-pipe of its own (:mod:`trainguard.utils.reports`: a worker killed mid-report cannot silence the others). Relies
+pipe of its own, and the first workers wait for each other at a start gate of pipes (:mod:`trainguard.utils.reports`:
+a worker killed at any moment cannot silence or block the others). Relies
 on torch, torchft (through the strategy) and ``torch.multiprocessing``.
 """
 
@@ -31,7 +32,6 @@ import math
 import queue as queue_mod
 import signal
 import tempfile
-import threading
 import time
 import traceback
 import warnings
@@ -47,7 +47,7 @@ from trainguard.failover.mecefo.policy import METHODS, GlobalRestart, make_polic
 from trainguard.failover.mecefo.timeline import Failure, FailureTimeline
 from trainguard.faults.failstop import FailStop, KillPoint
 from trainguard.train.checkpoint import CheckpointManager
-from trainguard.utils.reports import Reports, ReportSender
+from trainguard.utils.reports import GateWaiter, Reports, ReportSender, StartGate
 
 RUN_METHODS = (*METHODS, "elastic")  # "elastic": the plain data-parallel policy (no failover technique)
 
@@ -198,7 +198,7 @@ class _Release:
 
 
 def _worker_main(r: int, cfg: FailoverRunConfig, lighthouse: str, resume: bool, pending: tuple[Failure, ...],
-                 barrier, reports: ReportSender, batches, events: dict, replacing: tuple[int, int] | None) -> None:
+                 gate: GateWaiter | None, reports: ReportSender, batches, events: dict, replacing: tuple[int, int] | None) -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     from trainguard.train.parallel.elastic import DataParallelPolicy, ElasticStrategy
     from trainguard.train.parallel.torchft_group import quiet_torchft_logs
@@ -226,11 +226,9 @@ def _worker_main(r: int, cfg: FailoverRunConfig, lighthouse: str, resume: bool, 
             trainer.callbacks.append(FailStop(kills, on_kill=report_kill))
         if replacing is not None:  # about to ask for its first quorum: the survivors may form the rejoin quorum
             trainer.callbacks.insert(0, _Release(events[replacing]))
-        elif barrier is not None:
-            try:  # every worker is heartbeating before step 0 (the launcher breaks the barrier if one died)
-                barrier.wait(timeout=300)
-            except threading.BrokenBarrierError:
-                pass
+        elif gate is not None:  # every worker is heartbeating before step 0: the launcher opens the gate when
+            reports.put(("ready", r, {}))  # every first-launch worker is ready or gone
+            gate.wait(timeout=300)
         trainer.run()
         out = _finish_info(trainer)
         if cfg.eval_batches and trainer.strategy.is_main:
@@ -316,7 +314,9 @@ class _Launch:
         self.pending = pending
         self.lighthouse = start_lighthouse(heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
         self.reports = Reports(ctx)  # a pipe per process: a worker killed mid-report must not silence the others
-        self.barrier = ctx.Barrier(cfg.workers)
+        self.gate = StartGate(ctx)  # not a Barrier: a worker killed while waiting must not hang the launcher
+        self.first: set[tuple[int, int]] = set()  # the first processes of this launch (they wait at the gate)
+        self.ready: set[tuple[int, int]] = set()
         self.events = {(f.node, f.step): ctx.Event() for f in pending if f.real}
         self.procs: dict[tuple[int, int], Any] = {}  # (worker, pid) -> process
         self.live_pid: dict[int, int] = {}
@@ -327,14 +327,22 @@ class _Launch:
 
     def start(self, r: int, replacing: tuple[int, int] | None = None) -> None:
         sender = self.reports.sender()
+        waiter = None if replacing else self.gate.waiter()
         p = self.ctx.Process(target=_worker_main, daemon=True, args=(
             r, self.cfg, self.lighthouse.address(), self.resume and replacing is None, self.pending,
-            None if replacing else self.barrier, sender, self.batches, self.events, replacing))
+            waiter, sender, self.batches, self.events, replacing))
         p.start()
         self.reports.started(sender)
+        if waiter is not None:
+            self.gate.started(waiter)
+            self.first.add((r, p.pid))
         self.procs[(r, p.pid)] = p
         self.live_pid[r] = p.pid
         self.emit("started", r, {"pid": p.pid, "replacing": replacing})
+
+    def open_gate_when_due(self) -> None:
+        if not self.gate.opened and all(k in self.ready or k in self.ended for k in self.first):
+            self.gate.open()
 
     def running(self) -> bool:
         return any(k not in self.ended for k in self.procs)
@@ -353,7 +361,6 @@ class _Launch:
                 continue
             if time.monotonic() - dead_since.setdefault(key, time.monotonic()) > 1.0:  # its last words are in
                 self.ended[key] = "died"
-                self.barrier.abort()
                 cause, detail = _death_cause(p.exitcode)
                 death = {"worker": key[0], "step": self.top_step + 1, "cause": cause, "detail": detail, "pid": key[1],
                          "restart": self.restarts}
@@ -366,6 +373,7 @@ class _Launch:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        self.gate.open()
         self.reports.close()
         self.lighthouse.shutdown()
 
@@ -391,7 +399,7 @@ def _log_step(step_logs: dict[int, dict], r: int, info: dict) -> None:
 
 def run_failover(cfg: FailoverRunConfig, progress: Callable[[str, int, dict], None] | None = None) -> FailoverRunResult:
     """Run ``cfg.workers`` processes under a fresh torchft lighthouse with ``cfg.method``'s policy and the failures of
-    ``cfg.timeline``. ``progress(event, worker, info)`` sees every report: ``started``, ``step``, ``killed``,
+    ``cfg.timeline``. ``progress(event, worker, info)`` sees every report: ``started``, ``ready``, ``step``, ``killed``,
     ``died``, ``restart``, ``relaunch``, ``error``, ``done``."""
     import torch.multiprocessing as mp
 
@@ -432,6 +440,7 @@ def run_failover(cfg: FailoverRunConfig, progress: Callable[[str, int, dict], No
                 for r in range(cfg.workers):
                     run.start(r)
                 while run.running():
+                    run.open_gate_when_due()
                     if cfg.method != "checkpoint_restart":
                         run.rejoin_due()
                     try:
@@ -444,6 +453,8 @@ def run_failover(cfg: FailoverRunConfig, progress: Callable[[str, int, dict], No
                         continue
                     key = (r, run.live_pid.get(r))
                     emit(kind, r, info)
+                    if kind == "ready":
+                        run.ready.add(key)
                     if kind == "step":
                         run.top_step = max(run.top_step, info["step"])
                         _log_step(step_logs, r, info)
@@ -455,7 +466,6 @@ def run_failover(cfg: FailoverRunConfig, progress: Callable[[str, int, dict], No
                                        "detail": f"real failure at step {info['step']} ({info['when']})",
                                        "pid": key[1], "restart": restarts})
                         run.ended[key] = "killed"
-                        run.barrier.abort()
                         if f is not None:
                             pending = tuple(x for x in pending if x != f)
                             if f.until < cfg.steps:
@@ -474,7 +484,6 @@ def run_failover(cfg: FailoverRunConfig, progress: Callable[[str, int, dict], No
                         deaths.append({"worker": r, "step": run.top_step + 1, "cause": "crash", "detail": info["message"],
                                        "pid": key[1], "restart": restarts})
                         run.ended[key] = "error"
-                        run.barrier.abort()
             finally:
                 run.close()
             if run.restart_req is None or final:

@@ -4,8 +4,8 @@ Relies on :mod:`trainguard.train.parallel.elastic` (``ElasticStrategy``: torchft
 all-reduce, ``should_commit``), :class:`~trainguard.failover.spare.controller.ReCtlr`,
 :mod:`trainguard.faults.failstop` (kills), ``torch.multiprocessing`` (one process per data-parallel group,
 so a killed group is a real fail-stop: ``SIGKILL``, its sockets close, its heartbeats stop) and
-:mod:`trainguard.utils.reports` (each group reports on a pipe of its own: one killed mid-report cannot
-silence the others).
+:mod:`trainguard.utils.reports` (each group reports, and waits for the start, on pipes of its own: a
+group killed at any moment cannot silence or block the others).
 
 The global batch of a step is ``N`` slices, one per *shard type*; slice ``t`` of step ``i`` is a pure function
 of ``(seed, i, t)``, so any group can compute any type it hosts. Group ``g`` hosts the ``r`` types of the
@@ -52,7 +52,7 @@ from trainguard.faults.failstop import POINTS, ExternalKiller, FailStop, KillPoi
 from trainguard.train.checkpoint import CheckpointManager
 from trainguard.train.parallel.base import MicroBatch
 from trainguard.train.parallel.elastic import GradSyncPolicy, Recovery, StepView, SyncPlan
-from trainguard.utils.reports import Reports, ReportSender
+from trainguard.utils.reports import GateWaiter, Reports, ReportSender, StartGate
 
 KILL_WHEN = POINTS  # start (before the step's quorum), plan, compute (before the all-reduce), forward_backward, update
 
@@ -323,7 +323,8 @@ class _Reporter:
             "recovery_s": [round(e["recovery_s"], 3) for e in failures]}))
 
 
-def _group_main(g: int, cfg: SpareRunConfig, lighthouse: str, resume: bool, barrier, reports: ReportSender, batches=None) -> None:
+def _group_main(g: int, cfg: SpareRunConfig, lighthouse: str, resume: bool, gate: GateWaiter, reports: ReportSender,
+                batches=None) -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     from trainguard.train.parallel.elastic import ElasticStrategy
     from trainguard.train.parallel.torchft_group import quiet_torchft_logs
@@ -343,10 +344,8 @@ def _group_main(g: int, cfg: SpareRunConfig, lighthouse: str, resume: bool, barr
         kills = [KillPoint(k.step, k.when) for k in cfg.kills if k.group == g and k.step >= trainer.step_idx]
         if kills:
             trainer.callbacks.append(FailStop(kills, on_kill=report_kill))
-        try:  # every group is heartbeating before step 0 (the launcher breaks the barrier if one died)
-            barrier.wait(timeout=300)
-        except threading.BrokenBarrierError:
-            pass
+        reports.put(("ready", g, {}))  # every group is heartbeating before step 0: the launcher opens the gate
+        gate.wait(timeout=300)           # when every group is ready or gone
         trainer.run()
         blob = io.BytesIO()  # by value: a tensor sent through the pipe would live in this dying process
         torch.save(trainer.model.state_dict(), blob)
@@ -410,7 +409,8 @@ def _death_cause(exitcode: int | None) -> tuple[str, str]:
 def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | None = None) -> SpareRunResult:
     """Run ``cfg.groups`` processes under a fresh torchft lighthouse; restart globally on a wipe-out.
 
-    ``progress(event, group, info)`` is called for every report: ``started`` (``pid``), ``step``, ``killed``,
+    ``progress(event, group, info)`` is called for every report: ``started`` (``pid``), ``ready`` (up, waiting at
+    the start gate for the others), ``step``, ``killed``,
     ``wipeout``, ``died`` (a death nobody announced: an outside signal or a crash), ``error``, ``done``."""
     import torch.multiprocessing as mp
 
@@ -454,15 +454,18 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
         while True:
             run_cfg = SpareRunConfig(**{**cfg.__dict__, "kills": tuple(pending)})
             lh = start_lighthouse(heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
-            # a pipe per group, not a shared queue: a group killed mid-report must not silence the others
-            barrier, reports = ctx.Barrier(cfg.groups), Reports(ctx)
-            senders = [reports.sender() for _ in range(cfg.groups)]
-            procs = [ctx.Process(target=_group_main, args=(g, run_cfg, lh.address(), resume, barrier, senders[g],
+            # pipes per group, not a shared queue and a Barrier: a group killed at any moment must not take a
+            # lock the others (or the launcher) then wait on for good
+            gate, reports = StartGate(ctx), Reports(ctx)
+            senders, waiters = [reports.sender() for _ in range(cfg.groups)], [gate.waiter() for _ in range(cfg.groups)]
+            procs = [ctx.Process(target=_group_main, args=(g, run_cfg, lh.address(), resume, waiters[g], senders[g],
                                                            batches), daemon=True) for g in range(cfg.groups)]
             for g, p in enumerate(procs):
                 p.start()
                 reports.started(senders[g])
+                gate.started(waiters[g])
                 emit("started", g, {"pid": p.pid})
+            ready: set[int] = set()
             wiped = None
             finished: dict[int, str] = {}  # group -> how its process ended (done, wipeout, killed, error, died)
             last_step = {g: start_step - 1 for g in range(cfg.groups)}
@@ -471,6 +474,8 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
             patience = 3 * cfg.timeout_s + 60  # no report for this long: the survivors are stuck, stop
             try:
                 while len(finished) < cfg.groups:
+                    if not gate.opened and ready | set(finished) == set(range(cfg.groups)):
+                        gate.open()
                     try:
                         kind, g, info = reports.get(timeout=0.5)
                         last_news = time.monotonic()
@@ -483,7 +488,6 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
                                 continue
                             if time.monotonic() - dead_since.setdefault(gi, time.monotonic()) > 1.0:  # its last words are in
                                 finished[gi] = "died"
-                                barrier.abort()
                                 cause, detail = _death_cause(p.exitcode)
                                 death = {"group": gi, "step": last_step[gi] + 1, "cause": cause, "detail": detail,
                                          "restart": restarts, "pid": p.pid}
@@ -491,6 +495,8 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
                                 emit("died", gi, death)
                         continue
                     emit(kind, g, info)
+                    if kind == "ready":
+                        ready.add(g)
                     if kind == "step":
                         last_step[g] = info["step"]
                         agg = step_logs.setdefault(info["step"], {"step": info["step"], "stack": info["stack"],
@@ -508,7 +514,6 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
                                        "pid": procs[g].pid})
                         pending = [k for k in pending if not (k.group == g and k.step == info["step"])]
                         finished[g] = "killed"
-                        barrier.abort()
                     elif kind == "wipeout":
                         wiped = info
                         finished[g] = "wipeout"
@@ -520,13 +525,13 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
                         deaths.append({"group": g, "step": last_step[g] + 1, "cause": "crash",
                                        "detail": info["message"], "restart": restarts, "pid": procs[g].pid})
                         finished[g] = "error"
-                        barrier.abort()
             finally:
                 for p in procs:
                     p.join(timeout=10)
                     if p.is_alive():
                         p.kill()
                         p.join(timeout=5)
+                gate.open()
                 reports.close()
                 lh.shutdown()
             if wiped is None and done:
