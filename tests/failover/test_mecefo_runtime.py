@@ -12,6 +12,7 @@ from the timeline), equal final state.
 """
 
 import math
+import time
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from trainguard.failover.mecefo.approx import MHA_GROUP, NEIGHBOR, MeCeFO, MeCeF
 from trainguard.failover.mecefo.policy import MeCeFOPolicy
 from trainguard.failover.mecefo.runtime import FailoverRunConfig, run_failover, trainer_config
 from trainguard.failover.mecefo.timeline import Failure, FailureTimeline
+from trainguard.faults.failstop import kill_pid
 from trainguard.train.parallel import MicroBatch, StepPlan, Strategy
 from trainguard.train.parallel.elastic import StepView
 from trainguard.train.trainer import Trainer
@@ -206,6 +208,34 @@ def test_spread_over_two_neighbors_with_a_real_kill_is_the_planned_math():
     assert out["attention"] == {"0": 0.5, "1": 0.5, "2": 0.0, "3": 0.0, "4": 0.0, "5": 0.0, "6": 0.0, "7": 0.0}
     assert res.step_logs[5]["out"] == [3] and res.step_logs[5]["neighbors"] == [0, 1]
     _assert_bitwise(res.states[0], _replay(cfg, _from_logs(res)))
+
+
+@pytest.mark.slow
+def test_a_survivor_killed_while_it_waits_for_the_rejoin_does_not_block_the_returning_worker():
+    # worker 1 is SIGKILLed at step 2 and returns at step 4; the survivors hold at step 4 until its new process
+    # starts. Worker 2 is SIGKILLed from outside while it holds there: the new worker 1 must still start its step
+    # and release the others (with a multiprocessing Event, its set() blocks for good on the dead waiter)
+    steps = 6
+    cfg = _cfg(method="elastic", steps=steps, timeline=FailureTimeline.of(Failure(1, 2, 4, real=True)),
+               timeout_s=10.0, rejoin_wait_s=30.0)
+    pids: dict[int, int] = {}
+    shot: list[int] = []
+
+    def kill_the_waiting_survivor(kind, r, info):
+        if kind == "started":
+            pids[r] = info["pid"]
+        elif kind == "step" and r == 2 and info["step"] == 3 and not shot:
+            time.sleep(0.3)  # inside its hold at step 4 by now (the new worker 1 takes longer to start)
+            shot.append(pids[2])
+            kill_pid(pids[2])
+
+    res = run_failover(cfg, progress=kill_the_waiting_survivor)
+    assert shot, "worker 2 was not killed at its hold"
+    assert [(d["worker"], d["cause"]) for d in res.deaths] == [(1, "kill"), (2, "signal")]
+    assert [lg["step"] for lg in res.step_logs] == list(range(steps))
+    [rejoin] = res.rejoins
+    assert rejoin["worker"] == 1 and rejoin["step"] == 4
+    assert sorted(res.final) == [0, 1, 3] and res.agree and not res.errors
 
 
 def test_bad_run_configs_are_refused():

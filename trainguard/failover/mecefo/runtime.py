@@ -177,28 +177,34 @@ class _Reporter:
 class _HoldForRejoin:
     """Survivors wait at a killed worker's rejoin step until its new process is up (so it rejoins there)."""
 
-    def __init__(self, worker: int, failures: list[Failure], events: dict, steps: int, wait_s: float):
-        self.events, self.wait_s = events, wait_s
+    def __init__(self, worker: int, failures: list[Failure], gates: dict[tuple[int, int], GateWaiter], steps: int,
+                 wait_s: float):
+        self.gates, self.wait_s = gates, wait_s
         self.at = {f.until: (f.node, f.step) for f in failures if f.real and f.node != worker and f.until < steps}
 
     def on_step_start(self, trainer, step: int) -> None:
         key = self.at.get(step)
-        if key is not None and key in self.events:
-            self.events[key].wait(timeout=self.wait_s)
+        if key is not None and key in self.gates:
+            self.gates[key].wait(timeout=self.wait_s)
 
 
 class _Release:
-    """A restarted worker: lets the waiting survivors go on when it starts its first step (its first quorum)."""
+    """A restarted worker: tells the launcher it starts its first step (its first quorum), and the launcher lets
+    the waiting survivors go on."""
 
-    def __init__(self, event):
-        self.event = event
+    def __init__(self, worker: int, replacing: tuple[int, int], reports: ReportSender):
+        self.worker, self.replacing, self.reports = worker, replacing, reports
+        self.sent = False
 
     def on_step_start(self, trainer, step: int) -> None:
-        self.event.set()
+        if not self.sent:
+            self.sent = True
+            self.reports.put(("rejoining", self.worker, {"replacing": list(self.replacing), "step": step}))
 
 
 def _worker_main(r: int, cfg: FailoverRunConfig, lighthouse: str, resume: bool, pending: tuple[Failure, ...],
-                 gate: GateWaiter | None, reports: ReportSender, batches, events: dict, replacing: tuple[int, int] | None) -> None:
+                 gate: GateWaiter | None, reports: ReportSender, batches, rejoin_gates: dict[tuple[int, int], GateWaiter],
+                 replacing: tuple[int, int] | None) -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     from trainguard.train.parallel.elastic import DataParallelPolicy, ElasticStrategy
     from trainguard.train.parallel.torchft_group import quiet_torchft_logs
@@ -214,7 +220,7 @@ def _worker_main(r: int, cfg: FailoverRunConfig, lighthouse: str, resume: bool, 
                           strategy=ElasticStrategy(policy), progress=False)
         comp = MeCeFO(cfg.mecefo).install(trainer) if cfg.method == "mecefo" else None
         trainer.callbacks.append(_Reporter(r, reports, comp))
-        trainer.callbacks.append(_HoldForRejoin(r, list(pending), events, cfg.steps, cfg.rejoin_wait_s))
+        trainer.callbacks.append(_HoldForRejoin(r, list(pending), rejoin_gates, cfg.steps, cfg.rejoin_wait_s))
 
         def report_kill(p: KillPoint) -> None:
             reports.put(("killed", r, {"step": p.step, "when": p.point}))  # sent before put returns
@@ -225,7 +231,7 @@ def _worker_main(r: int, cfg: FailoverRunConfig, lighthouse: str, resume: bool, 
         if kills:
             trainer.callbacks.append(FailStop(kills, on_kill=report_kill))
         if replacing is not None:  # about to ask for its first quorum: the survivors may form the rejoin quorum
-            trainer.callbacks.insert(0, _Release(events[replacing]))
+            trainer.callbacks.insert(0, _Release(r, replacing, reports))
         elif gate is not None:  # every worker is heartbeating before step 0: the launcher opens the gate when
             reports.put(("ready", r, {}))  # every first-launch worker is ready or gone
             gate.wait(timeout=300)
@@ -317,7 +323,8 @@ class _Launch:
         self.gate = StartGate(ctx)  # not a Barrier: a worker killed while waiting must not hang the launcher
         self.first: set[tuple[int, int]] = set()  # the first processes of this launch (they wait at the gate)
         self.ready: set[tuple[int, int]] = set()
-        self.events = {(f.node, f.step): ctx.Event() for f in pending if f.real}
+        # per real failure: survivors wait at its rejoin step until the new process starts (pipes, not an Event)
+        self.rejoin_gates = {(f.node, f.step): StartGate(ctx) for f in pending if f.real}
         self.procs: dict[tuple[int, int], Any] = {}  # (worker, pid) -> process
         self.live_pid: dict[int, int] = {}
         self.ended: dict[tuple[int, int], str] = {}  # (worker, pid) -> how that process ended
@@ -328,11 +335,14 @@ class _Launch:
     def start(self, r: int, replacing: tuple[int, int] | None = None) -> None:
         sender = self.reports.sender()
         waiter = None if replacing else self.gate.waiter()
+        rejoin = {key: gate.waiter() for key, gate in self.rejoin_gates.items()}
         p = self.ctx.Process(target=_worker_main, daemon=True, args=(
             r, self.cfg, self.lighthouse.address(), self.resume and replacing is None, self.pending,
-            waiter, sender, self.batches, self.events, replacing))
+            waiter, sender, self.batches, rejoin, replacing))
         p.start()
         self.reports.started(sender)
+        for w in rejoin.values():
+            StartGate.started(w)
         if waiter is not None:
             self.gate.started(waiter)
             self.first.add((r, p.pid))
@@ -374,6 +384,8 @@ class _Launch:
                 p.kill()
                 p.join(timeout=5)
         self.gate.open()
+        for gate in self.rejoin_gates.values():
+            gate.open()
         self.reports.close()
         self.lighthouse.shutdown()
 
@@ -399,7 +411,7 @@ def _log_step(step_logs: dict[int, dict], r: int, info: dict) -> None:
 
 def run_failover(cfg: FailoverRunConfig, progress: Callable[[str, int, dict], None] | None = None) -> FailoverRunResult:
     """Run ``cfg.workers`` processes under a fresh torchft lighthouse with ``cfg.method``'s policy and the failures of
-    ``cfg.timeline``. ``progress(event, worker, info)`` sees every report: ``started``, ``ready``, ``step``, ``killed``,
+    ``cfg.timeline``. ``progress(event, worker, info)`` sees every report: ``started``, ``ready``, ``rejoining``, ``step``, ``killed``,
     ``died``, ``restart``, ``relaunch``, ``error``, ``done``."""
     import torch.multiprocessing as mp
 
@@ -455,6 +467,8 @@ def run_failover(cfg: FailoverRunConfig, progress: Callable[[str, int, dict], No
                     emit(kind, r, info)
                     if kind == "ready":
                         run.ready.add(key)
+                    elif kind == "rejoining" and tuple(info["replacing"]) in run.rejoin_gates:
+                        run.rejoin_gates[tuple(info["replacing"])].open()
                     if kind == "step":
                         run.top_step = max(run.top_step, info["step"])
                         _log_step(step_logs, r, info)
