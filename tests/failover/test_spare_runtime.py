@@ -194,12 +194,6 @@ def test_a_group_that_raises_reports_its_error_and_dies(monkeypatch):
     assert (kind, g) == ("error", 0) and "no model for you" in info["message"]
 
 
-def test_death_causes_name_the_signal_or_the_exit_code():
-    assert runtime._death_cause(-9) == ("signal", "SIGKILL from outside")
-    assert runtime._death_cause(-15) == ("signal", "SIGTERM from outside")
-    assert runtime._death_cause(1) == ("crash", "exit code 1")
-
-
 def test_max_param_diff():
     a = {"w": torch.zeros(3)}
     assert max_param_diff(a, {"w": torch.tensor([0.0, -0.5, 0.25])}) == 0.5

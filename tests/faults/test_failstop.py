@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainguard.errors import TrainguardError
-from trainguard.faults.failstop import ExternalKiller, FailStop, KillPoint, kill_pid, random_delay
+from trainguard.faults.failstop import ExternalKiller, FailStop, KillPoint, death_cause, kill_pid, random_delay
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -126,3 +126,9 @@ def test_random_delay_is_seeded_and_in_range():
     assert len(set(a)) > 40
     with pytest.raises(TrainguardError):
         random_delay(2.0, 1.0)
+
+
+def test_death_causes_name_the_signal_or_the_exit_code():
+    assert death_cause(-9) == ("signal", "SIGKILL from outside")
+    assert death_cause(-15) == ("signal", "SIGTERM from outside")
+    assert death_cause(1) == ("crash", "exit code 1")

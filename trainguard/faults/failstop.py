@@ -10,6 +10,8 @@ a random time, or from outside.
   :func:`random_delay`): a death at no particular point of the step.
 * :class:`ExternalKiller` -- a thread in a launcher that kills target processes from outside at random
   moments (what a node failure looks like to the survivors), recording every kill.
+* :func:`death_cause` -- how a child process that sent no word of its end died, from its exit code (a signal
+  from outside, or a crash), for a launcher's death reports.
 
 A killed process gets no chance to clean up: its sockets close, its heartbeats stop, its temporary files
 stay. That is the point. Relies on the standard library (``os.kill``, ``signal``, ``threading``, ``random``).
@@ -51,6 +53,18 @@ def kill_pid(pid: int, sig: int = signal.SIGKILL) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def death_cause(exitcode: int | None) -> tuple[str, str]:
+    """How a child process ended that sent no word of it, from its exit code: ``("signal", "SIGKILL from
+    outside")`` for a signal, ``("crash", "exit code N")`` otherwise."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return "signal", f"{name} from outside"
+    return "crash", f"exit code {exitcode}"
 
 
 def kill_self() -> None:

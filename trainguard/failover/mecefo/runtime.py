@@ -30,7 +30,6 @@ import hashlib
 import io
 import math
 import queue as queue_mod
-import signal
 import tempfile
 import time
 import traceback
@@ -45,7 +44,7 @@ from trainguard.errors import TrainguardError
 from trainguard.failover.mecefo.approx import MeCeFO, MeCeFOConfig
 from trainguard.failover.mecefo.policy import METHODS, GlobalRestart, make_policy
 from trainguard.failover.mecefo.timeline import Failure, FailureTimeline
-from trainguard.faults.failstop import FailStop, KillPoint
+from trainguard.faults.failstop import FailStop, KillPoint, death_cause
 from trainguard.train.checkpoint import CheckpointManager
 from trainguard.utils.reports import GateWaiter, Reports, ReportSender, StartGate
 
@@ -292,16 +291,6 @@ class FailoverRunResult:
                 "errors": self.errors, "timeline": self.timeline}
 
 
-def _death_cause(exitcode: int | None) -> tuple[str, str]:
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return "signal", f"{name} from outside"
-    return "crash", f"exit code {exitcode}"
-
-
 def _batches(cfg: FailoverRunConfig):
     from trainguard.data.batches import PackedBatches
 
@@ -371,7 +360,7 @@ class _Launch:
                 continue
             if time.monotonic() - dead_since.setdefault(key, time.monotonic()) > 1.0:  # its last words are in
                 self.ended[key] = "died"
-                cause, detail = _death_cause(p.exitcode)
+                cause, detail = death_cause(p.exitcode)
                 death = {"worker": key[0], "step": self.top_step + 1, "cause": cause, "detail": detail, "pid": key[1],
                          "restart": self.restarts}
                 deaths.append(death)

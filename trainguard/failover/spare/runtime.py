@@ -32,7 +32,6 @@ import io
 import math
 import pickle
 import queue as queue_mod
-import signal
 import tempfile
 import threading
 import time
@@ -48,7 +47,7 @@ import torch
 from trainguard.errors import TrainguardError
 from trainguard.failover.spare.controller import ReCtlr
 from trainguard.failover.spare.placement import check_supported, make_placement
-from trainguard.faults.failstop import POINTS, ExternalKiller, FailStop, KillPoint
+from trainguard.faults.failstop import POINTS, ExternalKiller, FailStop, KillPoint, death_cause
 from trainguard.train.checkpoint import CheckpointManager
 from trainguard.train.parallel.base import MicroBatch
 from trainguard.train.parallel.elastic import GradSyncPolicy, Recovery, StepView, SyncPlan
@@ -396,16 +395,6 @@ def _holds_checkpoint(run_dir: Path) -> bool:
     return (run_dir / "checkpoint.pt").exists() or CheckpointManager(run_dir / "checkpoints").latest() is not None
 
 
-def _death_cause(exitcode: int | None) -> tuple[str, str]:
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return "signal", f"{name} from outside"
-    return "crash", f"exit code {exitcode}"
-
-
 def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | None = None) -> SpareRunResult:
     """Run ``cfg.groups`` processes under a fresh torchft lighthouse; restart globally on a wipe-out.
 
@@ -488,7 +477,7 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
                                 continue
                             if time.monotonic() - dead_since.setdefault(gi, time.monotonic()) > 1.0:  # its last words are in
                                 finished[gi] = "died"
-                                cause, detail = _death_cause(p.exitcode)
+                                cause, detail = death_cause(p.exitcode)
                                 death = {"group": gi, "step": last_step[gi] + 1, "cause": cause, "detail": detail,
                                          "restart": restarts, "pid": p.pid}
                                 deaths.append(death)
