@@ -43,18 +43,28 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 
-class ReportSender:
-    """A worker's end of its report pipe (picklable into a child process's arguments)."""
+class _WorkerEnd:
+    """A worker's end of one pipe (picklable into a child process's arguments)."""
 
     def __init__(self, conn: Connection):
         self._conn = conn
 
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _started(end: _WorkerEnd) -> None:
+    """Close the launcher's copy of a started worker's end, so that the worker's death ends the pipe (a truncated
+    message then reads as the end, instead of blocking the launcher)."""
+    end.close()
+
+
+class ReportSender(_WorkerEnd):
+    """A worker's end of its report pipe."""
+
     def put(self, message: Any) -> None:
         """Send ``message`` now; once this returns the message outlives the sending process."""
         self._conn.send(message)
-
-    def close(self) -> None:
-        self._conn.close()
 
 
 class Reports:
@@ -72,11 +82,7 @@ class Reports:
         self._readers.append(reader)
         return ReportSender(writer)
 
-    @staticmethod
-    def started(sender: ReportSender) -> None:
-        """Close the launcher's copy of a started worker's write end, so that the worker's death ends its pipe
-        (a truncated message then reads as the end, instead of blocking the launcher)."""
-        sender.close()
+    started = staticmethod(_started)
 
     def get(self, timeout: float) -> Any:
         """The next message from any worker; ``queue.Empty`` when none came within ``timeout`` seconds."""
@@ -103,18 +109,12 @@ class Reports:
         self._readers.clear()
 
 
-class GateWaiter:
-    """A worker's end of a start gate (picklable into a child process's arguments)."""
-
-    def __init__(self, conn: Connection):
-        self._conn = conn
+class GateWaiter(_WorkerEnd):
+    """A worker's end of a start gate."""
 
     def wait(self, timeout: float) -> bool:
         """Hold until the gate opens (or the launcher is gone); False if ``timeout`` seconds passed first."""
         return self._conn.poll(timeout)
-
-    def close(self) -> None:
-        self._conn.close()
 
 
 class StartGate:
@@ -133,10 +133,7 @@ class StartGate:
             self._release(writer)
         return GateWaiter(reader)
 
-    @staticmethod
-    def started(waiter: GateWaiter) -> None:
-        """Close the launcher's copy of a started worker's gate end."""
-        waiter.close()
+    started = staticmethod(_started)
 
     def open(self) -> None:
         """Let every waiting worker go on (and any that reaches the gate later). Idempotent."""

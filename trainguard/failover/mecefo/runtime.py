@@ -19,9 +19,9 @@ of them from the last DCP checkpoint (a fresh lighthouse; failures that already 
 Processes are started with ``forkserver`` (torch preloaded) like SPARe's runtime. Every committed step is reported
 to the launcher (membership, failures, roles, compute time, MeCeFO's samples), and every finishing worker sends a
 digest of its parameters and optimizer state (or the tensors themselves, ``return_state``), each process on a
-pipe of its own, and the first workers wait for each other at a start gate of pipes (:mod:`trainguard.utils.reports`:
-a worker killed at any moment cannot silence or block the others). Relies
-on torch, torchft (through the strategy) and ``torch.multiprocessing``.
+pipe of its own; the first workers wait for each other, and survivors for a rejoin, at gates of pipes
+(:mod:`trainguard.utils.reports`: a worker killed at any moment cannot silence or block the others). Relies on
+torch, torchft (through the strategy) and ``torch.multiprocessing``.
 """
 
 from __future__ import annotations
@@ -330,8 +330,8 @@ class _Launch:
             waiter, sender, self.batches, rejoin, replacing))
         p.start()
         self.reports.started(sender)
-        for w in rejoin.values():
-            StartGate.started(w)
+        for key, w in rejoin.items():
+            self.rejoin_gates[key].started(w)
         if waiter is not None:
             self.gate.started(waiter)
             self.first.add((r, p.pid))
@@ -400,8 +400,8 @@ def _log_step(step_logs: dict[int, dict], r: int, info: dict) -> None:
 
 def run_failover(cfg: FailoverRunConfig, progress: Callable[[str, int, dict], None] | None = None) -> FailoverRunResult:
     """Run ``cfg.workers`` processes under a fresh torchft lighthouse with ``cfg.method``'s policy and the failures of
-    ``cfg.timeline``. ``progress(event, worker, info)`` sees every report: ``started``, ``ready``, ``rejoining``, ``step``, ``killed``,
-    ``died``, ``restart``, ``relaunch``, ``error``, ``done``."""
+    ``cfg.timeline``. ``progress(event, worker, info)`` sees every report: ``started``, ``ready``, ``rejoining``,
+    ``step``, ``killed``, ``died``, ``restart``, ``relaunch``, ``error``, ``done``."""
     import torch.multiprocessing as mp
 
     from trainguard.train.parallel.torchft_group import quiet_torchft_logs

@@ -399,8 +399,8 @@ def run_spare(cfg: SpareRunConfig, progress: Callable[[str, int, dict], None] | 
     """Run ``cfg.groups`` processes under a fresh torchft lighthouse; restart globally on a wipe-out.
 
     ``progress(event, group, info)`` is called for every report: ``started`` (``pid``), ``ready`` (up, waiting at
-    the start gate for the others), ``step``, ``killed``,
-    ``wipeout``, ``died`` (a death nobody announced: an outside signal or a crash), ``error``, ``done``."""
+    the start gate for the others), ``step``, ``killed``, ``wipeout``, ``died`` (a death nobody announced: an
+    outside signal or a crash), ``error``, ``done``."""
     import torch.multiprocessing as mp
 
     from trainguard.train.parallel.torchft_group import quiet_torchft_logs, start_lighthouse
