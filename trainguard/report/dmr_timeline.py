@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 PHASE_COLORS = {"forward": "#4c72b0", "recompute": "#8fb4e3", "B": "#dd8452", "W": "#a65628", "optimizer": "#8c8c8c",
                 "comm": "#cccccc"}
 STRATEGY_COLORS = {"naive": "#d62728", "p-dmr": "#2ca02c", "agc": "#9467bd", "d-inter": "#17becf", "d-intra": "#1f77b4",
-                   "dynamic": "#ff7f0e", "none": "#eeeeee"}
+                   "dynamic": "#ff7f0e", "none": "#eeeeee", "fingerprints": "#8c8c8c"}
 WINDOW_COLORS = {"pp": "#fde0dd", "tp": "#e5f5e0", "ep": "#fff7bc", "dp": "#efedf5"}
 
 
@@ -115,16 +115,17 @@ def draw_timeline(profile: Profile, plan: Plan, path: str | Path, *, title: str 
                 merged = _merge(bars, gap / 4)
                 ax.broken_barh(merged, (0.1, 0.8), facecolors=color, edgecolor="#999999",
                                linewidth=0.2 if len(merged) < 300 else 0.0, hatch="///" if dyn else None)
-    fills: dict[str, list[tuple[float, float]]] = {"agc": [], "d-inter": [], "d-intra": []}
+    fills: dict[str, list[tuple[float, float]]] = {"fingerprints": [], "agc": [], "d-inter": [], "d-intra": []}
     for w in wins.values():
         if not w.used_s or not timed:
             continue
-        start = w.start_s
-        if w.agc_s:
-            fills["agc"].append((start, min(w.agc_s, w.duration_s)))
-            start += w.agc_s
-        if w.ops_s:
-            fills["d-inter" if w.kind in ("pp", "dp") else "d-intra"].append((start, min(w.ops_s, w.start_s + w.duration_s - start)))
+        start, end = w.start_s, w.start_s + w.duration_s
+        # in the engine's order: the earlier outputs' fingerprints, the AGC replays, the deferred checks
+        for key, used in (("fingerprints", w.settle_s), ("agc", w.agc_s),
+                          ("d-inter" if w.kind in ("pp", "dp") else "d-intra", w.ops_s)):
+            if used and end > start:
+                fills[key].append((start, min(used, end - start)))
+            start += used
     _lane(ax, fills, STRATEGY_COLORS, 0.3, 0.4, gap / 4, 0.0)
 
     ax.set_ylim(0, 3)
@@ -141,6 +142,8 @@ def draw_timeline(profile: Profile, plan: Plan, path: str | Path, *, title: str 
                ("optimizer", "optimizer"), ("comm", "comm op"))]
     legend += [Patch(color=STRATEGY_COLORS[k], label=k) for k in ("naive", "p-dmr", "agc", "d-inter", "d-intra", "dynamic")
                if any(p.strategy == k for p in plan.ops.values())]
+    if any(w.settle_s for w in wins.values()):
+        legend.append(Patch(color=STRATEGY_COLORS["fingerprints"], label="fingerprints taken in the window"))
     if runs:
         legend.append(Patch(color="#145a14", label="P-DMR extra run"))
     legend += [Patch(facecolor=c, edgecolor="#999999", label=f"{k} window") for k, c in WINDOW_COLORS.items()

@@ -35,11 +35,12 @@ def trainer(batches, *extra: str) -> Trainer:
 
 
 def _sleep() -> Callable[[], object]:
-    return lambda: time.sleep(0.02)
+    return lambda: time.sleep(0.1)
 
 
 def windowed(t: Trainer, executor: str, transfer: Callable[[], Callable[[], object]] = _sleep, **cfg) -> DMREngine:
-    """``transfer()`` starts a transfer and returns its wait (by default a 20 ms sleep on the host)."""
+    """``transfer()`` starts a transfer and returns its wait (by default a 100 ms sleep on the host: room for the
+    checks of the first micro-batch and for the fingerprints the engine takes there first)."""
     eng = attach(t, DMRConfig(enabled=True, executor=executor, **cfg))
     eng.deferrable = True
     calls = []

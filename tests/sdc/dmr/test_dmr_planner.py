@@ -7,10 +7,12 @@ from bisect import bisect_right
 import pytest
 from _dmr_profiles import Builder, fig10_profile, synthetic_profile
 
+from trainguard.config import load_config
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr import best_fit
 from trainguard.sdc.dmr.plan import CHECKED, CoverageError, Plan, coverage_report
 from trainguard.sdc.dmr.planner import PlannerConfig, naive_only, no_dmr, parse_phases, plan_static, read_profile, retained_bytes
+from trainguard.sdc.dmr.profile import Profile
 
 PROFILES = {
     "dense": dict(blocks=2, microbatches=2),
@@ -257,3 +259,65 @@ def test_best_fit(times, cap, best):
     assert total <= cap * (1 + 1e-12)
     assert total == pytest.approx(best, abs=cap / 2048)
     assert best_fit([0.0, 5.0], 1.0) == [0]
+
+
+def _two_windows(**meta) -> Profile:
+    """Forward ops F0 (1 s) and F1 (2 s), a 4 s pp window W1, backward op B0 (1 s), a 10 s pp window W2; every
+    op writes 100 bytes; no AC segment (every op is Phase 3's); memory is no constraint."""
+    q = Builder()
+    q.op("F0", time=1.0, out_bytes=100)
+    q.op("F1", time=2.0, out_bytes=100)
+    q.window("W1", "pp", 4.0)
+    q.op("B0", phase="backward", kind="B", time=1.0, out_bytes=100)
+    q.window("W2", "pp", 10.0)
+    return q.profile(budget=10**9, base=0, meta=meta)
+
+
+def test_windows_are_charged_with_the_fingerprints_the_engine_takes_there():
+    # at op times alone, both forward checks fit the first window
+    plain = plan_static(_two_windows(), PlannerConfig(keep_outputs=False))
+    assert plain.window("W1").ops == ["F0", "F1"] and plain.window("W1").settle_s == 0
+    # a fingerprint costs 0.5 s + 1 ms a byte = 0.6 s here: W1 first takes F0's and F1's (1.2 s), a check costs
+    # its op and the fingerprint of its checker's output (F0 1.6 s, F1 2.6 s): only F1 fits the 2.8 s left
+    plan = plan_static(_two_windows(fingerprint_call_s=0.5, fingerprint_s_per_byte=1e-3),
+                       PlannerConfig(keep_outputs=False))
+    w1, w2 = plan.window("W1"), plan.window("W2")
+    assert w1.settle_s == pytest.approx(1.2) and w1.ops == ["F1"] and w1.ops_s == pytest.approx(2.6)
+    assert w1.used_s == pytest.approx(3.8) and w1.used_s <= w1.duration_s
+    assert w2.settle_s == pytest.approx(0.6) and sorted(w2.ops) == ["B0", "F0"] and w2.ops_s == pytest.approx(3.2)
+    assert coverage_report(plan, _two_windows()).fraction == 1.0
+    # outputs kept whole (no fingerprints taken later): nothing to settle, but a check still compares its output
+    kept = plan_static(_two_windows(fingerprint_call_s=0.5, fingerprint_s_per_byte=1e-3), PlannerConfig(keep_outputs=True))
+    # (F0 1.6 s and F1 2.6 s no longer fit the 4 s together)
+    assert kept.window("W1").settle_s == 0 and kept.window("W1").ops == ["F1"] and kept.window("W1").used_s == pytest.approx(2.6)
+
+
+def test_window_fill_leaves_that_share_of_each_window_free():
+    full = plan_static(_two_windows(), PlannerConfig(window_fill=1.0))
+    assert full.window("W1").used_s == pytest.approx(3.0)
+    half = plan_static(_two_windows(), PlannerConfig(window_fill=0.5))
+    w1, w2 = half.window("W1"), half.window("W2")
+    assert w1.used_s <= 0.5 * w1.duration_s + 1e-9 and w1.ops == ["F1"]  # the best fit of 2 s
+    assert sorted(w2.ops) == ["B0", "F0"] and w2.used_s <= 0.5 * w2.duration_s + 1e-9
+    # the AGC slack shrinks with it: no segment occupies more than its share of the filled part of a window
+    profile = synthetic_profile(stages=2, stage=1, microbatches=4, headroom=1.5)
+    for fill in (1.0, 0.6, 0.3):
+        plan = plan_static(profile, PlannerConfig(window_fill=fill))
+        for w in plan.windows:
+            assert w.used_s <= fill * w.duration_s * (1 + 1e-9) + 1e-12
+        assert coverage_report(plan, profile).fraction == 1.0
+    for bad in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="window_fill must be in"):
+            plan_static(profile, PlannerConfig(window_fill=bad))
+        with pytest.raises(ConfigError, match="sdc.dmr.window_fill must be in"):  # the trainer's config, as parsed
+            load_config(None, ["--sdc.dmr.window_fill", str(bad)])
+
+
+def test_fingerprint_costs_in_a_profile_are_checked(tmp_path):
+    path = tmp_path / "p.json"
+    for bad in (-1.0, float("nan"), "fast", True):
+        d = _two_windows().to_json()
+        d["meta"] = {"fingerprint_s_per_byte": bad}
+        path.write_text(json.dumps(d))
+        with pytest.raises(TrainguardError, match="meta.fingerprint_s_per_byte must be a finite number"):
+            read_profile(path)

@@ -21,6 +21,9 @@ def test_profile_of_a_real_iteration_has_every_phase_and_links():
     assert {o.block for o in prof.ops if o.block} == {"layers.0", "layers.1"}
     plan = plan_static(prof, PlannerConfig())
     assert plan.summary["coverage"] == 1.0 and plan.summary["pdmr_segments"] > 0
+    # what a fingerprint costs, measured for the planner: a fixed part and one per byte, both real times
+    call, per_byte = prof.meta["fingerprint_call_s"], prof.meta["fingerprint_s_per_byte"]
+    assert 0 < call < 0.05 and 0 < per_byte < 1e-6
 
 
 def test_plan_dmr_profiles_a_model(capsys):

@@ -1,7 +1,7 @@
 """``trainguard plan dmr``: the SpareTrain DMR plan of one rank's training iteration.
 
 ``plan dmr --profile PROFILE.json [--phases 1|1,2|1,2,3] [--memory-budget BYTES] [--pdmr-tail defer|recompute]
-[--out PLAN.json] [--figure FIG.png] [--json]`` reads a DMR profile (trainguard.sdc.dmr.profile), plans it
+[--window-fill F] [--out PLAN.json] [--figure FIG.png] [--json]`` reads a DMR profile (trainguard.sdc.dmr.profile), plans it
 (trainguard.sdc.dmr.planner), prints the summary next to the No-DMR and Naive-Only baselines, writes the
 plan JSON and the timeline figure (trainguard.report.dmr_timeline). ``--model M [--pp 2] [--steps N]``
 profiles a model first with ``trainguard.sdc.dmr.profiler.profile_run`` where that exists.
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
+from trainguard.sdc.dmr.config import DMRConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -44,6 +45,9 @@ def register_plan(subparsers) -> None:
     p.add_argument("--pdmr-tail", choices=("defer", "recompute"), default="defer",
                    help="the ops of a P-DMR segment the recompute does not replay: defer (default: left to Phases "
                         "2-3, checked where they ran) or recompute (the paper's extra run on the critical path)")
+    p.add_argument("--window-fill", type=float, default=DMRConfig().window_fill,
+                   help="share of each communication window to fill with checks (default %(default)s, as [sdc.dmr] "
+                        "window_fill; 1: all of it, the paper's)")
     p.add_argument("--out", default="runs/plan-dmr/plan.json", help="plan JSON to write ('' to skip)")
     p.add_argument("--figure", default="runs/plan-dmr/timeline.png", help="timeline figure to write ('' to skip)")
     add_json_flag(p)
@@ -77,10 +81,13 @@ def run(args) -> int:
     except ConfigError:
         raise ConfigError(f"--phases must be 1, 1,2 or 1,2,3; got {args.phases!r}") from None
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
+    if not 0 < args.window_fill <= 1:
+        raise ConfigError(f"--window-fill must be in (0, 1], got {args.window_fill}")
     if args.figure and Path(args.figure).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise ConfigError(f"--figure must end in .png, .svg or .pdf, got {args.figure!r}")
     profile, source = _profile(args)
-    plan = plan_static(profile, PlannerConfig(phases=phases, memory_budget_bytes=budget, pdmr_tail=args.pdmr_tail))
+    plan = plan_static(profile, PlannerConfig(phases=phases, memory_budget_bytes=budget, pdmr_tail=args.pdmr_tail,
+                                              window_fill=args.window_fill))
     base = {"no-dmr": no_dmr(profile).summary, "naive-only": naive_only(profile).summary}
     fig = out = None
     try:

@@ -58,6 +58,9 @@ class DMRConfig:
         "idle", help="the thread executor's worker: idle (Linux's SCHED_IDLE class: it only gets a core nothing else "
         "wants, so the checkers never slow a rank's critical path where ranks share a host's cores) or normal (the "
         "main thread's priority)")
+    window_fill: float = setting(0.8, help="share of each communication window the planner fills with checks (the "
+                                 "rest absorbs checkers that run slower than profiled, e.g. beside another rank's "
+                                 "compute; what does not fit goes to another window, or is carried or checked at once)")
     plan: str = setting("", help="a DMR plan JSON (trainguard plan dmr --out); empty: profile and plan at the start")
     profile_steps: int = setting(1, help="steps profiled before planning (they run with naive DMR)")
     determinism_report: str = setting("", help="tolerance mode: a determinism report JSON (from a clean run)")
@@ -73,6 +76,8 @@ class DMRConfig:
             raise ConfigError("sdc.dmr.memory_budget_mb must be >= 0 and sdc.dmr.optimizer_chunk_mb > 0")
         if self.profile_steps < 1:
             raise ConfigError(f"sdc.dmr.profile_steps must be >= 1, got {self.profile_steps}")
+        if not 0 < self.window_fill <= 1:
+            raise ConfigError(f"sdc.dmr.window_fill must be in (0, 1], got {self.window_fill}")
         if not self.tolerance_safety >= 1:
             raise ConfigError(f"sdc.dmr.tolerance_safety must be >= 1, got {self.tolerance_safety}")
         return self

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
 import threading
 import time
 import weakref
@@ -1768,7 +1769,8 @@ class DMREngine:
                                rank=trainer.rank, stage=getattr(trainer.strategy, "stage", 0),
                                iteration_s=time.perf_counter() - self._t0, memory_budget_bytes=peak + headroom,
                                peak_bytes=peak, memory_curve=curve or [(0.0, peak)], blocks=blocks,
-                               ops=self._records, windows=self._window_records)
+                               ops=self._records, windows=self._window_records,
+                               meta=self._fingerprint_cost(trainer.device))
         self.plan = plan_static(self.profile, self.planner_config())
         self.budget_bytes = self.budget_bytes or headroom
         self.dynamic = DynamicPlanner(int(self.plan.summary.get("dynamic_budget_bytes") or headroom))
@@ -1776,10 +1778,30 @@ class DMREngine:
         self._set_early_stop()
         return self.profile
 
+    def _fingerprint_cost(self, device: torch.device) -> dict[str, float]:
+        """What this engine's fingerprint costs on ``device``, for the planner to charge the windows with: a fixed
+        cost per output (the fingerprint of 4 KiB) and a cost per byte (of 32 MiB, more than a cache holds: the
+        outputs a window fingerprints were written a while before), each the median of five."""
+        def median_s(t: torch.Tensor) -> float:
+            times = []
+            for _ in range(6):
+                if self._sync is not None:
+                    self._sync()
+                t0 = time.perf_counter()
+                float(self._fp(t).sums[0])  # (waits for the device)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times[1:])
+
+        with _checking(), torch.no_grad():
+            small, big = torch.ones(2**10, device=device), torch.ones(2**23, device=device)
+            call_s, big_s = median_s(small), median_s(big)
+        return {"fingerprint_call_s": call_s,
+                "fingerprint_s_per_byte": max(0.0, big_s - call_s) / (big.numel() * big.element_size())}
+
     def planner_config(self, phases: tuple[int, ...] | None = None) -> PlannerConfig:
         """The planner settings this engine's config implies (``phases``: the ablation's, else the config's)."""
         return PlannerConfig(phases=tuple(phases or self.cfg.phases), keep_outputs=not self.cfg.fingerprints,
-                             pdmr_tail=self.cfg.pdmr_tail)
+                             pdmr_tail=self.cfg.pdmr_tail, window_fill=self.cfg.window_fill)
 
     # ---- reporting -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:

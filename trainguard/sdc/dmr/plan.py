@@ -132,10 +132,11 @@ class WindowLoad:
     agc_s: float = 0.0
     ops_s: float = 0.0
     demoted: list[str] = field(default_factory=list)  # Phase 3 demoted these to naive here (memory budget)
+    settle_s: float = 0.0  # the fingerprints of earlier outputs the engine takes here first (see planner)
 
     @property
     def used_s(self) -> float:
-        return self.agc_s + self.ops_s
+        return self.settle_s + self.agc_s + self.ops_s
 
     @property
     def end_s(self) -> float:

@@ -20,7 +20,15 @@ Memory is modelled as the profile's memory curve (for MoE profiles, conservative
 everywhere) plus, for each deferred op, its retained bytes from its start until its window ends, and for
 each AGC segment its boundary bytes from its first forward op until its window ends; no deferral may
 take this above the budget. Ops are in execution order in the profile; a window sits after its
-``after_op`` (or, without one, after the last op that started before it). Relies on numpy.
+``after_op`` (or, without one, after the last op that started before it).
+
+Time in a window is charged at what the engine spends there, not only the re-executed ops: a deferred check
+also fingerprints its checker's output, an AGC replay every replayed op's output, and each window first
+takes the fingerprints of the outputs produced since the previous one (the primaries' fingerprints are taken
+later, off the critical path). A fingerprint costs the profile's ``meta["fingerprint_call_s"]`` plus
+``meta["fingerprint_s_per_byte"]`` per byte, both measured by the profiler; a profile without them (older,
+or synthetic) is planned at op times alone.
+Relies on numpy.
 """
 
 from __future__ import annotations
@@ -58,6 +66,10 @@ class PlannerConfig:
     # early stop on): "recompute" -> the paper's extra run (the recompute replays the whole segment, early stop
     # off); "defer" -> left to Phases 2-3 (checked where they ran, no communication repeated; early stop on)
     pdmr_tail: str = "defer"
+    # Share of each window Phases 2 and 3 fill (1: all of it, the paper's). The engine plans with less
+    # (``[sdc.dmr] window_fill``): a window filled to the brim makes the step wait for any checker that runs
+    # slower than profiled.
+    window_fill: float = 1.0
 
 
 def parse_phases(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -134,6 +146,10 @@ def validate_profile(profile: Profile, name: str = "profile") -> None:
         v = getattr(profile, k)
         if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise bad(f"{k} must be a finite number >= 0, got {v!r}")
+    for k in ("fingerprint_call_s", "fingerprint_s_per_byte"):
+        v = (profile.meta or {}).get(k, 0.0)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise bad(f"meta.{k} must be a finite number >= 0, got {v!r}")
 
 
 # -- memory over the iteration -------------------------------------------------------------------------
@@ -204,6 +220,35 @@ class _State:
         self.timeline = _Timeline(profile.memory_curve, times, float(self.peak) if self.moe else None)
         self.pdmr: list[PDMRSegment] = []
         self.agcs: list[AGCSegment] = []
+        self.fp_call_s, self.fp_s_per_byte = (max(0.0, float(profile.meta.get(k, 0.0) or 0.0))
+                                              for k in ("fingerprint_call_s", "fingerprint_s_per_byte"))
+        if not cfg.keep_outputs:
+            self._charge_fingerprints()
+
+    def room_s(self, w: WindowLoad) -> float:
+        """Time the phases may still fill in ``w``."""
+        return max(0.0, self.cfg.window_fill * w.duration_s - w.used_s)
+
+    def fingerprint_s(self, o: OpRecord) -> float:
+        return self.fp_call_s + self.fp_s_per_byte * o.out_bytes if o.out_bytes else 0.0
+
+    def check_s(self, o: OpRecord) -> float:
+        """What checking ``o`` in a window takes: its second execution and the fingerprint of its output."""
+        return o.time_s + self.fingerprint_s(o)
+
+    def _charge_fingerprints(self) -> None:
+        """Each window's ``settle_s``: the fingerprints of the forward and backward outputs produced since the
+        previous window, which the engine takes there before any planned check (every output but a naive op's
+        or a recompute's: an upper bound, known before the phases choose)."""
+        if not (self.fp_call_s or self.fp_s_per_byte):
+            return
+        cursor = 0
+        for w in self.windows:
+            while cursor < len(self.ops) and cursor < self.wpos[w.id]:
+                o = self.ops[cursor]
+                if o.kind != "C" and o.phase in ("forward", "backward"):
+                    w.settle_s += self.fingerprint_s(o)
+                cursor += 1
 
     def assign(self, op_id: str, strategy: str, window: str | None = None, agc: str | None = None) -> None:
         self.strategy[op_id] = strategy
@@ -395,6 +440,9 @@ def _enumerate(st: _State, g: AGCGroup, comm: _CommIndex, slack_s: float | None 
     bw_ok = [all(st.free(b) for b in bws) for bws in g.bw]
     tf = [o.time_s for o in g.forward]
     tbw = [sum(b.time_s for b in bws) for bws in g.bw]
+    # what replaying costs in the window: the op times and the fingerprints of the replayed outputs
+    cf = [st.check_s(o) for o in g.forward]
+    cbw = [sum(st.check_s(b) for b in bws) for bws in g.bw]
     wbytes = [sum(b.out_bytes for b in bws if b.kind == "W") for bws in g.bw]
     act_in = [max(0, o.in_bytes - o.param_bytes) for o in g.forward]
     d_in = [sum(b.out_bytes for b in bws if b.kind == "B") or act_in[x] for x, bws in enumerate(g.bw)]
@@ -411,11 +459,11 @@ def _enumerate(st: _State, g: AGCGroup, comm: _CommIndex, slack_s: float | None 
     for i in range(n):
         if status[i] == "X":
             continue
-        f_t = p_t = n_t = 0.0
+        f_t = p_t = n_t = 0.0  # (f_t: the replay's cost, p_t / n_t: op times, as the gain counts them)
         for j in range(i, min(n, i + cap)):
             if status[j] == "X":
                 break
-            f_t += tf[j]
+            f_t += cf[j]
             if status[j] == "P":
                 p_t += tf[j]
             else:
@@ -424,7 +472,7 @@ def _enumerate(st: _State, g: AGCGroup, comm: _CommIndex, slack_s: float | None 
             if slack_s is not None and f_t + comm_f > limit:
                 break
             inside = [s for s in segs if i <= s[0] and s[1] <= j]
-            bw_t, w_b, lo, hi = 0.0, 0, None, None
+            bw_t, bw_c, w_b, lo, hi = 0.0, 0.0, 0, None, None
             for k in range(j + 1, i - 1, -1):
                 if k <= j:
                     if not bw_ok[k]:
@@ -432,11 +480,12 @@ def _enumerate(st: _State, g: AGCGroup, comm: _CommIndex, slack_s: float | None 
                     if not g.bw[k]:
                         continue
                     bw_t += tbw[k]
+                    bw_c += cbw[k]
                     w_b += wbytes[k]
                     lo = bw_lo[k] if lo is None else min(lo, bw_lo[k])
                     hi = bw_hi[k] if hi is None else max(hi, bw_hi[k])
                     comm_b = comm.between(g.microbatch, "backward", lo, hi)
-                    if slack_s is not None and f_t + bw_t + comm_f + comm_b > limit:
+                    if slack_s is not None and f_t + bw_c + comm_f + comm_b > limit:
                         break
                     memory = act_in[i] + 2 * g.forward[j].out_bytes + d_in[k] + w_b
                 else:
@@ -444,7 +493,7 @@ def _enumerate(st: _State, g: AGCGroup, comm: _CommIndex, slack_s: float | None 
                     memory = act_in[i] + g.forward[j].out_bytes
                 absorbed = tuple(s for s in inside if k <= s[0] + 1)
                 gain = n_t + bw_t + sum(s[2] for s in absorbed) - comm_f - comm_b
-                yield AGCCandidate(i, k, j, memory, f_t + bw_t, comm_f + comm_b, gain, tuple(s[3] for s in absorbed))
+                yield AGCCandidate(i, k, j, memory, f_t + bw_c, comm_f + comm_b, gain, tuple(s[3] for s in absorbed))
 
 
 def select_agc(candidates, headroom_bytes: float, slack_s: float) -> AGCCandidate | None:
@@ -484,7 +533,7 @@ def _constraints(st: _State, w: WindowLoad, groups: list[AGCGroup]) -> None:
     headroom = max(0.0, st.budget - st.timeline.max_between(t0, w.end_s))
     for g in groups:
         g.headroom_bytes = headroom / len(groups)
-        g.slack_s = max(0.0, w.duration_s - w.used_s) / len(groups)
+        g.slack_s = st.room_s(w) / len(groups)
 
 
 def agc_candidates(profile: Profile, config: PlannerConfig | None = None) -> list[AGCGroup]:
@@ -594,10 +643,10 @@ def phase3_queue(st: _State) -> None:
     once: it could never be deferred, and keeping it queued would only hold memory and push shorter ops out.
     """
     kinds = {"tp", "ep", "pp"} | ({"dp"} if st.cfg.use_dp_windows else set())
-    points = [w for w in st.windows if w.kind in kinds and not w.dynamic and w.duration_s - w.used_s > _TOL]
+    points = [w for w in st.windows if w.kind in kinds and not w.dynamic and st.room_s(w) > _TOL]
     ahead = [0.0] * (len(points) + 1)  # the longest window time left at or after each point
     for n in range(len(points) - 1, -1, -1):
-        ahead[n] = max(ahead[n + 1], points[n].duration_s - points[n].used_s)
+        ahead[n] = max(ahead[n + 1], st.room_s(points[n]))
     queue: list[OpRecord] = []
     cursor = 0
     for n, w in enumerate(points):
@@ -606,17 +655,17 @@ def phase3_queue(st: _State) -> None:
             if st.free(o):
                 queue.append(o)
             cursor += 1
-        too_long = [o for o in queue if o.time_s > ahead[n] * (1 + _TOL)]  # fits no window ahead: never deferrable
+        too_long = [o for o in queue if st.check_s(o) > ahead[n] * (1 + _TOL)]  # fits no window ahead: never deferrable
         for o in too_long:
             st.assign(o.id, "naive")
-        queue = [o for o in queue if o.time_s <= ahead[n] * (1 + _TOL)]
-        room = w.duration_s - w.used_s
+        queue = [o for o in queue if st.check_s(o) <= ahead[n] * (1 + _TOL)]
+        room = st.room_s(w)
         if not queue:
             continue
         for o in _demote(st, queue, w):
             st.assign(o.id, "naive")
             w.demoted.append(o.id)
-        picked = best_fit([o.time_s for o in queue], room, st.cfg.knapsack_resolution)
+        picked = best_fit([st.check_s(o) for o in queue], room, st.cfg.knapsack_resolution)
         strategy = "d-inter" if w.kind in ("pp", "dp") else "d-intra"
         for idx in picked:
             o = queue[idx]
@@ -625,7 +674,7 @@ def phase3_queue(st: _State) -> None:
             st.retained[o.id] = nb
             st.timeline.add(o.start_s, w.end_s, nb)
             w.ops.append(o.id)
-            w.ops_s += o.time_s
+            w.ops_s += st.check_s(o)
         chosen = set(picked)
         queue = [o for q, o in enumerate(queue) if q not in chosen]
     for o in queue:
@@ -666,6 +715,8 @@ def plan_static(profile: Profile, config: PlannerConfig | None = None) -> Plan:
     Every non-communication op ends with exactly one strategy (checked before returning)."""
     cfg = config or PlannerConfig()
     phases = parse_phases(cfg.phases)
+    if not 0 < cfg.window_fill <= 1:
+        raise ConfigError(f"window_fill must be in (0, 1], got {cfg.window_fill}")
     validate_profile(profile)
     budget = _budget(profile, cfg)
     st = _State(profile, cfg, budget)
