@@ -273,23 +273,39 @@ def _two_windows(**meta) -> Profile:
     return q.profile(budget=10**9, base=0, meta=meta)
 
 
-def test_windows_are_charged_with_the_fingerprints_the_engine_takes_there():
+def test_a_window_check_is_charged_with_the_fingerprints_it_needs():
     # at op times alone, both forward checks fit the first window
     plain = plan_static(_two_windows(), PlannerConfig(keep_outputs=False))
     assert plain.window("W1").ops == ["F0", "F1"] and plain.window("W1").settle_s == 0
-    # a fingerprint costs 0.5 s + 1 ms a byte = 0.6 s here: W1 first takes F0's and F1's (1.2 s), a check costs
-    # its op and the fingerprint of its checker's output (F0 1.6 s, F1 2.6 s): only F1 fits the 2.8 s left
+    # a fingerprint costs 0.5 s + 1 ms a byte = 0.6 s here; a check costs its op, the fingerprint of its checker's
+    # output and that of the primary's (F0 2.2 s, F1 3.2 s, B0 2.2 s): only F1 fits W1's 4 s
     plan = plan_static(_two_windows(fingerprint_call_s=0.5, fingerprint_s_per_byte=1e-3),
                        PlannerConfig(keep_outputs=False))
     w1, w2 = plan.window("W1"), plan.window("W2")
-    assert w1.settle_s == pytest.approx(1.2) and w1.ops == ["F1"] and w1.ops_s == pytest.approx(2.6)
-    assert w1.used_s == pytest.approx(3.8) and w1.used_s <= w1.duration_s
-    assert w2.settle_s == pytest.approx(0.6) and sorted(w2.ops) == ["B0", "F0"] and w2.ops_s == pytest.approx(3.2)
+    assert w1.ops == ["F1"] and w1.ops_s == pytest.approx(3.2) and w1.settle_s == 0  # (no P-DMR op)
+    assert sorted(w2.ops) == ["B0", "F0"] and w2.ops_s == pytest.approx(4.4)
     assert coverage_report(plan, _two_windows()).fraction == 1.0
-    # outputs kept whole (no fingerprints taken later): nothing to settle, but a check still compares its output
+    # outputs kept whole (no fingerprint of the primary): a check compares its output once (F0 1.6 s, F1 2.6 s)
     kept = plan_static(_two_windows(fingerprint_call_s=0.5, fingerprint_s_per_byte=1e-3), PlannerConfig(keep_outputs=True))
-    # (F0 1.6 s and F1 2.6 s no longer fit the 4 s together)
-    assert kept.window("W1").settle_s == 0 and kept.window("W1").ops == ["F1"] and kept.window("W1").used_s == pytest.approx(2.6)
+    assert kept.window("W1").ops == ["F1"] and kept.window("W1").used_s == pytest.approx(2.6)
+
+
+def test_p_dmr_outputs_are_fingerprinted_in_the_next_window():
+    profile = synthetic_profile(stages=2, stage=1, microbatches=4, headroom=1.5)
+    profile.meta = {"fingerprint_call_s": 1e-3, "fingerprint_s_per_byte": 1e-9}
+    plan = plan_static(profile, PlannerConfig(keep_outputs=False))
+    pos = {o.id: i for i, o in enumerate(profile.ops)}
+    fp = {o.id: 1e-3 + 1e-9 * o.out_bytes if o.out_bytes else 0.0 for o in profile.ops}
+    prev, charged = -1, 0
+    at = {w.id: pos.get(w.after_op, -1) for w in plan.windows}  # (a stage's first wait opens before any op)
+    for w in sorted(plan.windows, key=lambda w: (at[w.id], w.start_s)):
+        # the P-DMR ops (forward and recompute) between the previous window and this one
+        here = [k for k, p in plan.ops.items() if p.strategy == "p-dmr" and prev < pos[k] <= at[w.id]]
+        assert w.settle_s == pytest.approx(sum(fp[k] for k in here))
+        assert w.used_s <= w.duration_s * (1 + 1e-9)
+        prev, charged = at[w.id], charged + len(here)
+    assert charged > 0
+    assert all(w.settle_s == 0 for w in plan_static(profile, PlannerConfig(keep_outputs=True)).windows)
 
 
 def test_window_fill_leaves_that_share_of_each_window_free():

@@ -23,9 +23,9 @@ take this above the budget. Ops are in execution order in the profile; a window 
 ``after_op`` (or, without one, after the last op that started before it).
 
 Time in a window is charged at what the engine spends there, not only the re-executed ops: a deferred check
-also fingerprints its checker's output, an AGC replay every replayed op's output, and each window first
-takes the fingerprints of the outputs produced since the previous one (the primaries' fingerprints are taken
-later, off the critical path). A fingerprint costs the profile's ``meta["fingerprint_call_s"]`` plus
+or an AGC replay also fingerprints its checker's outputs and (the engine fingerprints the primaries' outputs
+later, off the critical path) the primary's, and each window first takes the fingerprints of the P-DMR
+outputs (forward and recompute) produced since the previous one. A fingerprint costs the profile's ``meta["fingerprint_call_s"]`` plus
 ``meta["fingerprint_s_per_byte"]`` per byte, both measured by the profiler; a profile without them (older,
 or synthetic) is planned at op times alone.
 Relies on numpy.
@@ -222,8 +222,6 @@ class _State:
         self.agcs: list[AGCSegment] = []
         self.fp_call_s, self.fp_s_per_byte = (max(0.0, float(profile.meta.get(k, 0.0) or 0.0))
                                               for k in ("fingerprint_call_s", "fingerprint_s_per_byte"))
-        if not cfg.keep_outputs:
-            self._charge_fingerprints()
 
     def room_s(self, w: WindowLoad) -> float:
         """Time the phases may still fill in ``w``."""
@@ -233,20 +231,21 @@ class _State:
         return self.fp_call_s + self.fp_s_per_byte * o.out_bytes if o.out_bytes else 0.0
 
     def check_s(self, o: OpRecord) -> float:
-        """What checking ``o`` in a window takes: its second execution and the fingerprint of its output."""
-        return o.time_s + self.fingerprint_s(o)
+        """What checking ``o`` in a window takes: its second execution, the fingerprint of its output and (when
+        the engine fingerprints) that of the primary's output, taken in a window too."""
+        return o.time_s + (1 if self.cfg.keep_outputs else 2) * self.fingerprint_s(o)
 
-    def _charge_fingerprints(self) -> None:
-        """Each window's ``settle_s``: the fingerprints of the forward and backward outputs produced since the
-        previous window, which the engine takes there before any planned check (every output but a naive op's
-        or a recompute's: an upper bound, known before the phases choose)."""
-        if not (self.fp_call_s or self.fp_s_per_byte):
+    def charge_pdmr_fingerprints(self) -> None:
+        """After Phase 1: each window's ``settle_s``, the fingerprints of the P-DMR outputs (forward and recompute)
+        produced since the previous window, which the engine takes there before any planned check (when it
+        fingerprints)."""
+        if self.cfg.keep_outputs or not (self.fp_call_s or self.fp_s_per_byte):
             return
         cursor = 0
         for w in self.windows:
             while cursor < len(self.ops) and cursor < self.wpos[w.id]:
                 o = self.ops[cursor]
-                if o.kind != "C" and o.phase in ("forward", "backward"):
+                if self.strategy[o.id] == "p-dmr":  # (forward and recompute: both fingerprinted later)
                     w.settle_s += self.fingerprint_s(o)
                 cursor += 1
 
@@ -542,6 +541,7 @@ def agc_candidates(profile: Profile, config: PlannerConfig | None = None) -> lis
     cfg = config or PlannerConfig()
     st = _State(profile, cfg, _budget(profile, cfg))
     phase1_pdmr(st)
+    st.charge_pdmr_fingerprints()
     comm = _CommIndex(st)
     out = []
     windows = {w.id: w for w in st.windows}
@@ -721,6 +721,7 @@ def plan_static(profile: Profile, config: PlannerConfig | None = None) -> Plan:
     budget = _budget(profile, cfg)
     st = _State(profile, cfg, budget)
     phase1_pdmr(st)
+    st.charge_pdmr_fingerprints()
     if 2 in phases:
         phase2_agc(st)
     if 3 in phases:
