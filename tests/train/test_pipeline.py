@@ -149,8 +149,10 @@ def test_dmr_on_two_stages_detects_a_bit_flip_and_ends_bitwise_equal(tmp_path, c
     dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true"]
     got = run_dist(tmp_path, "dmr", 2, f"dmr:1:2:{phase}", *PP, *dmr)
     assert got[1]["fired"] and got[1]["dmr"]["detected"] >= 1
-    # step 0: profiled (unverified), planned, re-executed with the plan; step 2: the whole pipeline re-ran it
-    assert [s["attempts"] for s in got[0]["steps"]] == [2, 1, 2, 1]
+    # step 0: profiled (unverified), planned, re-executed with the plan; step 2: the whole pipeline re-ran it, at
+    # once (its check ran in one of the step's windows) or after step 3 (a backward check the plan leaves with no
+    # window before the update is carried into the next iteration's first window: both iterations re-ran)
+    assert [s["attempts"] for s in got[0]["steps"]] in ([2, 1, 2, 1], [2, 1, 1, 1, 2])
     assert all(r["dmr_coverage"] == 1.0 for r in got)
     assert any(k.startswith("checked-in-pp") for k in got[0]["dmr_counts"])  # deferred checks ran in pp windows
     # fingerprints were taken later, in the windows, and none of them went stale (an output written in place
