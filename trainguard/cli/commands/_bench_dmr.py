@@ -4,6 +4,7 @@ Registered by ``bench.py``. Relies on argparse, rich and torch's elastic launche
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -31,6 +32,9 @@ def register_bench(subparsers) -> None:
     p.add_argument("--switch-warmup", type=int, default=1,
                    help="untimed steps after each switch of system (default 1: a switch drops the engine's copies "
                         "of the state, which a run makes once)")
+    p.add_argument("--hold-idle", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --idle-fraction: re-set the emulated link after each round from that round's No-DMR idle "
+                        "share, so the timed rounds stay at the target as the host's speed drifts (default on)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
     p.add_argument("--memory-budget-mb", type=float, default=0.0,
                    help="memory the deferred checks may hold per rank ([sdc.dmr] memory_budget_mb; 0: its default)")
@@ -67,7 +71,7 @@ def _spec(args) -> dict:
         overrides += ["--distributed.pp", str(args.pp), "--distributed.microbatches", str(args.microbatches)]
     return {"overrides": overrides, "systems": systems, "idle_fraction": args.idle_fraction, "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup, "switch_warmup": args.switch_warmup,
-            "memory_budget_mb": args.memory_budget_mb}
+            "memory_budget_mb": args.memory_budget_mb, "hold_idle": args.hold_idle}
 
 
 def run(args) -> int:

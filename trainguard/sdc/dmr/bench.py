@@ -15,8 +15,10 @@ others into pipeline transfer windows as planned from a profile of the run. Abla
 
 Loopback links are nearly free, unlike an inter-node link: ``idle_fraction > 0`` **emulates** a slower
 link between pipeline stages (every transfer lands a fixed delay after it is issued), calibrated on the
-No-DMR warm-up so the No-DMR step idles that fraction of its time (measured again in the timed rounds and
-reported). Peak memory per system is the heap in use (glibc's ``mallinfo2``, sampled every 0.5 ms) during one
+No-DMR warm-up so the No-DMR step idles that fraction of its time, and re-set after every timed round from
+that round's No-DMR steps (``hold_idle``, damped: the host's speed drifts over the minutes a run takes, and
+with it the idle share a fixed delay gives); the idle share is measured again in the timed rounds and reported,
+per round too. Peak memory per system is the heap in use (glibc's ``mallinfo2``, sampled every 0.5 ms) during one
 more untimed step of that system after the rounds: the systems share one process, whose resident size only
 grows (``peak_rss_bytes`` keeps it, per system as read after its rounds). Each rank writes its figures to
 ``OUT/rank{r}.json``; the CLI merges them.
@@ -47,6 +49,9 @@ from trainguard.train.host_memory import HeapPeak
 SYSTEMS = ("none", "naive", "sparetrain-p1", "sparetrain-p12", "sparetrain")
 PHASES = {"sparetrain-p1": (1,), "sparetrain-p12": (1, 2), "sparetrain": (1, 2, 3)}
 CALIBRATION_TOLERANCE = 0.005  # |measured - target| idle fraction at which the emulated link's calibration stops
+# Between timed rounds the link is re-set from the round's No-DMR idle share (``hold_idle``). Half the correction a
+# round (a geometric mean of the delay and the one the round asks for), so that one noisy round moves it little
+HOLD_DAMPING = 0.5
 
 
 def _rss_bytes() -> int:
@@ -91,6 +96,25 @@ def _timed_steps(trainer, n: int, engine=None, where: dict | None = None) -> tup
     return times, waited / max(sum(times), 1e-9)
 
 
+def _odds(f: float) -> float:
+    return f / max(1 - f, 1e-9)
+
+
+def _rescaled_delay(delay: float, idle: float, target: float, damping: float = 1.0) -> float:
+    """The link delay that moves the measured idle share ``idle`` to ``target``: the idle odds scale about in
+    proportion to the delay once it dominates the waits. ``damping`` < 1 takes that share of the correction
+    (on a log scale)."""
+    return delay * (_odds(target) / max(_odds(idle), 1e-9)) ** damping
+
+
+def held_delay(delay: float, idle: float, target: float) -> float:
+    """The link delay for the next timed round, given the last round's No-DMR idle share ``idle``: unchanged
+    within the calibration's tolerance, else moved by half the correction :func:`_rescaled_delay` asks for."""
+    if abs(idle - target) <= CALIBRATION_TOLERANCE:
+        return delay
+    return _rescaled_delay(delay, idle, target, HOLD_DAMPING)
+
+
 def _naive_by_phase(plan) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for o in plan.ops.values():
@@ -127,7 +151,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             if delay == 0:
                 delay = max(0.0, (target * t_step - idle * t_step) / (waits * (1 - target)))
             else:
-                delay *= (target / (1 - target)) / max(idle / max(1 - idle, 1e-9), 1e-9)
+                delay = _rescaled_delay(delay, idle, target)
             delay = _mean_over_ranks(delay)
             sched.link_delay_s = delay
             times, idle = _timed_steps(trainer, 3)
@@ -140,6 +164,11 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         if engine.profile is not None else None
     per: dict[str, dict[str, list]] = {s: {"times": [], "idle": [], "rss": [], "where": {}} for s in systems}
     rounds, steps = spec.get("rounds", 3), spec.get("steps", 3)
+    # the host's speed drifts over a run of minutes, and with it the idle share a fixed delay gives: held at the
+    # target by re-setting the link after each round from that round's No-DMR steps (every system of the next round
+    # runs on the same link, so the comparison stays side by side)
+    hold = bool(spec.get("hold_idle", True)) and delay > 0 and "none" in systems
+    by_round: list[dict[str, float]] = []
     for r in range(rounds):
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for s in order:
@@ -152,6 +181,11 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             per[s]["times"] += t
             per[s]["idle"].append(idle)
             per[s]["rss"].append(_rss_bytes())
+        if delay > 0 and "none" in systems:
+            idle_r = _mean_over_ranks(per["none"]["idle"][-1])
+            by_round.append({"link_delay_ms": delay * 1000, "no_dmr_idle_fraction": idle_r})
+            if hold and r < rounds - 1:
+                delay = sched.link_delay_s = _mean_over_ranks(held_delay(delay, idle_r, target))
     # peak memory per system: the process's resident size cannot tell the systems apart (they share the process,
     # and retained host memory keeps it at the highest so far), so each system runs one more untimed step (after
     # one that settles the switch) with the heap in use sampled
@@ -170,7 +204,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     tokens = trainer.tokens_per_step
     out = {
         "rank": trainer.rank, "strategy": trainer.strategy.name, "link_delay_ms": delay * 1000,
-        "idle_fraction_calibrated": calibrated,
+        "idle_fraction_calibrated": calibrated, "hold_idle": hold, "rounds": by_round,
         "emulated_link": delay > 0, "tokens_per_step": tokens,
         "systems": {s: {"tokens_per_s": tokens / statistics.median(v["times"]), "step_s": statistics.median(v["times"]),
                         "idle_fraction": statistics.median(v["idle"]), "peak_rss_bytes": max(v["rss"]),
@@ -202,6 +236,9 @@ def merge(ranks: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
         if "none" in systems else None,
         "idle_fraction_emulated": ranks[0]["emulated_link"], "link_delay_ms": ranks[0]["link_delay_ms"],
         "idle_fraction_calibrated": ranks[0].get("idle_fraction_calibrated"),
+        "idle_held": ranks[0].get("hold_idle", False),
+        # per timed round: the link's delay and the No-DMR steps' idle share (mean over ranks)
+        "idle_by_round": ranks[0].get("rounds", []),
         "coverage": min(r["coverage"] for r in ranks), "detected_in_clean_runs": sum(r["detected"] for r in ranks),
         "peak_memory_bytes": {s: max(r["systems"][s][key] for r in ranks) for s in systems},
         "memory_measure": "heap in use during one untimed step (glibc mallinfo2, sampled)" if key == "peak_heap_bytes"

@@ -1,0 +1,57 @@
+"""The bench's emulated link: held at the target idle share through the timed rounds while the host's speed
+drifts (``trainguard.sdc.dmr.bench.held_delay``), on a model of a pipeline step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trainguard.sdc.dmr.bench import CALIBRATION_TOLERANCE, _rescaled_delay, held_delay
+
+WAITS = 6  # transfers a step waits on
+
+
+def idle_share(delay: float, compute_s: float) -> float:
+    """A step that computes ``compute_s`` and waits ``WAITS`` transfers of ``delay`` each, less the part of each
+    delay the other stage's compute hides (a tenth of the compute, per wait)."""
+    waited = WAITS * max(0.0, delay - 0.1 * compute_s / WAITS)
+    return waited / (compute_s + waited)
+
+
+def test_a_round_at_the_target_keeps_the_link():
+    assert held_delay(0.8, 0.68, 0.68) == 0.8
+    assert held_delay(0.8, 0.68 + CALIBRATION_TOLERANCE * 0.9, 0.68) == 0.8
+
+
+@pytest.mark.parametrize("idle", [0.60, 0.64, 0.72, 0.76])
+def test_a_round_off_the_target_moves_the_link_half_way_towards_it(idle):
+    delay = 0.8
+    full = _rescaled_delay(delay, idle, 0.68)
+    new = held_delay(delay, idle, 0.68)
+    assert (full > delay) == (idle < 0.68)  # more delay where the step idled too little
+    assert new == pytest.approx((delay * full) ** 0.5)  # half the correction, on a log scale
+    assert min(delay, full) < new < max(delay, full)
+
+
+def test_the_held_link_keeps_a_drifting_host_at_the_target():
+    """Compute time drifts by up to 7% between rounds and each round's measurement is noisy (+-0.01): the link
+    held round by round stays near the target, where the link calibrated once follows the drift."""
+    rng = random.Random(4)
+    target, compute = 0.68, 1.8
+    # the warm-up's calibration: the delay that gives the target on the warm-up's host
+    delay = 0.5
+    for _ in range(40):
+        delay = _rescaled_delay(delay, idle_share(delay, compute), target)
+    assert idle_share(delay, compute) == pytest.approx(target, abs=1e-6)
+    fixed, held = delay, delay
+    fixed_off, held_off = [], []
+    for _ in range(12):  # rounds: the host drifts (a slow trend and a random walk), then the round is measured
+        compute *= 1.02 + rng.uniform(-0.05, 0.05)
+        fixed_off.append(abs(idle_share(fixed, compute) - target))
+        true = idle_share(held, compute)
+        held_off.append(abs(true - target))
+        held = held_delay(held, true + rng.uniform(-0.01, 0.01), target)
+    assert max(fixed_off[4:]) > 0.05  # calibrated once: the drift takes the rounds away from the target
+    assert sum(held_off) / len(held_off) < 0.5 * sum(fixed_off) / len(fixed_off)
+    assert max(held_off[4:]) < 0.03
