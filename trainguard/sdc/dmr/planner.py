@@ -222,6 +222,7 @@ class _State:
         self.agcs: list[AGCSegment] = []
         self.fp_call_s, self.fp_s_per_byte = (max(0.0, float(profile.meta.get(k, 0.0) or 0.0))
                                               for k in ("fingerprint_call_s", "fingerprint_s_per_byte"))
+        self._check_s: dict[str, float] = {}
 
     def room_s(self, w: WindowLoad) -> float:
         """Time the phases may still fill in ``w``."""
@@ -232,8 +233,12 @@ class _State:
 
     def check_s(self, o: OpRecord) -> float:
         """What checking ``o`` in a window takes: its second execution, the fingerprint of its output and (when
-        the engine fingerprints) that of the primary's output, taken in a window too."""
-        return o.time_s + (1 if self.cfg.keep_outputs else 2) * self.fingerprint_s(o)
+        the engine fingerprints) that of the primary's output, taken in a window too. Computed once per op (Phase 3
+        asks again at every window the op waits through)."""
+        c = self._check_s.get(o.id)
+        if c is None:
+            c = self._check_s[o.id] = o.time_s + (1 if self.cfg.keep_outputs else 2) * self.fingerprint_s(o)
+        return c
 
     def charge_pdmr_fingerprints(self) -> None:
         """After Phase 1: each window's ``settle_s``, the fingerprints of the P-DMR outputs (forward and recompute)
