@@ -112,3 +112,34 @@ def test_outputs_and_flags_on_two_devices_are_fingerprinted_and_stacked_on_the_a
     assert dops.stack(cpu).tolist() == [True, False]
     with pytest.raises(RuntimeError):
         torch.stack(flags)
+
+
+def test_call_tensors_finds_every_tensor_argument_as_the_full_walk_does():
+    """``call_tensors`` skips number lists (sizes, dims) without walking them; every tensor is still found, in
+    order: plain arguments, ``Tensor[]``, ``Tensor?[]`` with a leading None, and keyword arguments."""
+    a, b, c = torch.ones(2, 3), torch.zeros(2, 3), torch.arange(2)
+    calls = [
+        ((a, [3, 2]), {}),  # view(self, size)
+        ((a, (1, 0)), {}),  # permute(self, dims)
+        (([a, b], 0), {}),  # cat(tensors, dim)
+        ((a, [None, c]), {}),  # index.Tensor(self, indices: Tensor?[])
+        ((a,), {"other": b, "alpha": 2}),
+        ((a, [2.0, 0.5], [True, False]), {"out": b}),
+        (([],), {}),
+        ((a, torch.Size([6])), {}),
+    ]
+    for args, kwargs in calls:
+        got = dops.call_tensors(args, kwargs)
+        want = dops.tensors((args, kwargs))
+        assert len(got) == len(want) and all(g is w for g, w in zip(got, want)), (args, kwargs)
+
+
+def test_op_info_marks_the_views_the_engine_skips_and_those_whose_base_autograd_tracks():
+    aten = torch.ops.aten
+    view, detach, add_ = dops.info(aten.view.default), dops.info(aten.detach.default), dops.info(aten.add_.Tensor)
+    assert view.plain_view and view.tracks_base
+    assert detach.plain_view and not detach.tracks_base  # (its output is registered as a tensor of its own)
+    assert not add_.plain_view and not add_.tracks_base
+    assert dops.info(aten.mm.default).kind == "compute" and not dops.info(aten.mm.default).plain_view
+    # the lookup by the overload's id returns the one record kept for it
+    assert dops.info(aten.view.default) is view

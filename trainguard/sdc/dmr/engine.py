@@ -234,6 +234,7 @@ class DMREngine:
         self.profile: Profile | None = None  # the last profile recorded
         self._profiling = False
         self._modules: list[str] = []
+        self._blocks: dict[str, str] = {}  # module path -> its block (see _block_of), for every op that owns a node
         self._optimizer_phase = False
         self._setup = False  # inside a strategy's one-time set-up (window kind "setup")
         self._segments: list[tuple[_Segment, str]] = []  # stack of (segment, "forward" | "recompute")
@@ -541,12 +542,12 @@ class DMREngine:
             # hook (its reads and writes are the fault, not ops of the step): run as is
             return func(*args, **kwargs)
         inf = dops.info(func)
-        if inf.kind == "view" and not inf.written and not self._profiling and not self.cfg.coverage:
+        if inf.plain_view and not self._profiling and not self.cfg.coverage:
             # the hot path (most dispatched ops are views): nothing to check, record or settle. A view's output
             # needs no entry in ``_produced`` where autograd tracks its ``_base`` (see _produced_here)
             self.counts["view"] += 1
             out = func(*args, **kwargs)
-            if self.deferrable and not _tracks_base(func):
+            if self.deferrable and not inf.tracks_base:
                 for t in dops.tensors(out):
                     self._produced[id(t)] = weakref.ref(t)
             return out
@@ -596,7 +597,7 @@ class DMREngine:
         # so that the routing does not shift the static ops' ids; their gradient ops follow them
         dynamic = (".experts." in self.module() or in_routed_region()) if phase in ("forward", "recompute") \
             else bool(owner and owner[2])
-        ins = dops.tensors((args, kwargs))
+        ins = dops.call_tensors(args, kwargs)
         const = self._is_const(inf, ins)
         twin = rec = None
         if phase == "recompute" and seg is not None and not const:
@@ -743,7 +744,11 @@ class DMREngine:
         seq = torch._C._autograd._get_sequence_nr() - 1
         if seq != self._last_seq:
             self._last_seq = seq
-            self._seq_owner[seq] = (op_id, self._block_of(self.module()), dynamic, self._micro)
+            path = self._modules[-1] if self._modules else ""
+            block = self._blocks.get(path)
+            if block is None:
+                block = self._blocks[path] = self._block_of(path)
+            self._seq_owner[seq] = (op_id, block, dynamic, self._micro)
 
     def _is_const(self, inf: dops.OpInfo, ins: list[torch.Tensor]) -> bool:
         """An op whose tensor inputs ``ins`` are all constants of this attempt (or that has none: a factory)."""
@@ -797,7 +802,7 @@ class DMREngine:
                 # the inputs too: the checker and a tie-breaker must see what the primary saw, whatever happens
                 # to the live tensors after it (a corrupted input would otherwise win the vote)
                 ins = {id(t): self._copy((i, "input", t.shape, t.dtype), t) for i, t in
-                       enumerate(t for t in dops.tensors((args, kwargs)) if id(t) not in copies and t.dim() > 0)}
+                       enumerate(t for t in dops.call_tensors(args, kwargs) if id(t) not in copies and t.dim() > 0)}
                 keep_in = lambda v: ins.get(id(v), v)
                 third_args, third_kwargs = dops.map_tensors(keep_in, args), dops.map_tensors(keep_in, kwargs)
                 copies.update(ins)
@@ -872,7 +877,7 @@ class DMREngine:
     def _fp_later(self, value) -> dops.Fingerprint | _Later:
         """``value``'s fingerprint, or a :class:`_Later` one while the outputs it holds fit half the budget (the
         other half is the deferred checks'): the checksums then run on the worker thread in the next window."""
-        if not self._lazy_ok():
+        if not (self.deferrable and not self._profiling and self.calibration is None):  # (_lazy_ok, inlined)
             return self._fp(value)
         ts = dops.tensors(value)
         lz = _Later(value, ts)
@@ -908,7 +913,7 @@ class DMREngine:
         """Before an op writes into tensors whose fingerprints are still to be taken: take them now. ``every``:
         all its tensor arguments (communication: a receive writes its buffer when the transfer completes,
         outside the dispatcher and without a version bump)."""
-        for t in (dops.tensors((args, kwargs)) if every else dops.written_args(func, args, kwargs)):
+        for t in (dops.call_tensors(args, kwargs) if every else dops.written_args(func, args, kwargs)):
             waiting = self._later_by_storage.pop(_storage_key(t), None)
             for lz in waiting or ():
                 self._resolve(lz)
@@ -1320,7 +1325,7 @@ class DMREngine:
     # ---- deferred checks (D-DMR, AGC, dynamic) -----------------------------------------------------
     def _defer(self, op_id, phase, strategy, window, func, args, kwargs, ins=None, swap=None, inf=None) -> Any:
         inf = inf if inf is not None else dops.info(func)
-        if dops.random_call(inf, args, kwargs) or (inf.written and dops.written_args(func, args, kwargs)):
+        if (inf.random and dops.random_call(inf, args, kwargs)) or (inf.written and dops.written_args(func, args, kwargs)):
             if swap is not None:
                 return self._swapped(op_id, phase, strategy, window, swap, args, kwargs)
             # in-place and random ops are checked at once (their inputs or generator change right after)
@@ -1336,10 +1341,15 @@ class DMREngine:
         by_ref: list[tuple[int, torch.Tensor]] = []  # (storage, tensor) kept by reference
         clones: dict[int, torch.Tensor] | None = None
         nbytes = 0
-        for t in (dops.tensors((args, kwargs)) if ins is None else ins):
+        params, produced = self._param_storages, self._produced
+        for t in (dops.call_tensors(args, kwargs) if ins is None else ins):
             key = _storage_key(t)
-            if key not in self._param_storages:
-                if self._produced_here(t):
+            if key not in params:
+                base = t._base
+                if base is None:
+                    base = t
+                ref = produced.get(id(base))
+                if ref is not None and ref() is base:  # (_produced_here, inlined: every deferred op's every input)
                     by_ref.append((key, t))
                 else:
                     clones = clones if clones is not None else {}
@@ -1347,7 +1357,7 @@ class DMREngine:
                     if c is None:
                         c = clones[id(t)] = t.clone()
                     t = c
-                nbytes += t.numel() * t.element_size()
+                nbytes += t.nbytes
             kept_ins.append(t)
         kept = (args, kwargs) if clones is None else dops.map_tensors(lambda v: clones.get(id(v), v), (args, kwargs))
         versions = [t._version for t in kept_ins]
@@ -1727,7 +1737,7 @@ class DMREngine:
         dt = time.perf_counter() - t0
         if op_id is None:  # a collective
             op_id = self._next_id("comm", False)
-        ins = dops.tensors((args, kwargs))
+        ins = dops.call_tensors(args, kwargs)
         outs = dops.tensors(out)
         owner = self._owner(phase)
         if kind is None:
@@ -1820,9 +1830,6 @@ class DMREngine:
                 "coverage": ((len(verified) - unchecked) / len(compute)) if compute else 1.0, "by_strategy": dict(by)}
 
 
-_TRACKS_BASE: dict[Any, bool] = {}
-
-
 def _all_tensors(out: Any) -> bool:
     return isinstance(out, torch.Tensor) or (isinstance(out, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in out))
 
@@ -1833,16 +1840,6 @@ def _record_on(stream: Any, ts: list[torch.Tensor]) -> None:
     for t in ts:
         if t.is_cuda:
             t.record_stream(stream)
-
-
-def _tracks_base(func) -> bool:
-    """Autograd sets ``_base`` on this view op's outputs (``detach`` and the view-like ops classify() adds do
-    not: their outputs are registered as produced tensors of their own)."""
-    got = _TRACKS_BASE.get(func)
-    if got is None:
-        got = _TRACKS_BASE[func] = bool(getattr(func, "is_view", False)) and str(func) not in (
-            "aten.detach.default", "aten.alias.default", "aten.lift_fresh.default")
-    return got
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -1896,6 +1893,14 @@ class _RNG:
 
 
 class _DMRMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: ``__torch_dispatch__`` is not wrapped in ``torch._disable_dynamo``. trainguard never compiles a
+        step (nothing in it calls ``torch.compile``), and the wrapper (two Python frames and four eval-frame
+        switches) was a fifth of the cost of the mode itself on every dispatched op. This overrides a private
+        hook of ``TorchDispatchMode`` (torch 2.13); ``tests/sdc/dmr/test_torch_private.py`` fails if it moves."""
+        return False
+
     def __init__(self, engine: DMREngine):
         super().__init__()
         self.engine = engine

@@ -42,9 +42,18 @@ class OpInfo:
     written: tuple[tuple[int, str], ...]  # (position, name) of the arguments it writes
     unset: tuple[int, ...] = ()  # outputs left uninitialised when ``dropout_p`` (argument ``dropout_at``) is 0
     dropout_at: int = -1
+    # a view op that nothing checks (the engine's short path: no written argument), and whether autograd sets
+    # ``_base`` on its outputs (``detach`` and the view-like ops classify() adds do not)
+    plain_view: bool = False
+    tracks_base: bool = False
 
 
 _INFO: dict[Any, OpInfo] = {}
+# the same, by the overload's id: an ``OpOverload`` hashes in Python (``__hash__`` is a method of its class), which
+# every dispatched op paid for each lookup keyed by the op itself. ``_INFO`` keeps each overload alive, so an id
+# found here is never one reused by another object
+_INFO_BY_ID: dict[int, OpInfo] = {}
+_UNTRACKED_VIEWS = ("aten.detach.default", "aten.alias.default", "aten.lift_fresh.default")
 # Outputs of the fused attention kernels (efficient, flash, cuDNN) that only carry the dropout RNG's state: the
 # kernels allocate them with ``at::empty`` and write nothing there when ``dropout_p`` is 0 (backward reads them
 # only when it is not).
@@ -52,15 +61,22 @@ _RNG_STATE_OUTPUTS = ("philox_seed", "philox_offset", "rng_state", "unused")
 
 
 def info(func) -> OpInfo:
-    got = _INFO.get(func)
+    got = _INFO_BY_ID.get(id(func))
     if got is None:
-        args = func._schema.arguments
-        written = tuple((i, a.name) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
-        rnd = is_random(func) or any(a.name == "generator" for a in args)
-        dropout_at = next((i for i, a in enumerate(args) if a.name == "dropout_p"), -1)
-        unset = tuple(i for i, r in enumerate(func._schema.returns) if r.name in _RNG_STATE_OUTPUTS) \
-            if dropout_at >= 0 else ()
-        got = _INFO[func] = OpInfo(str(func), classify(func), rnd, written, unset, dropout_at)
+        got = _INFO.get(func)
+        if got is None:
+            args = func._schema.arguments
+            written = tuple((i, a.name) for i, a in enumerate(args)
+                            if a.alias_info is not None and a.alias_info.is_write)
+            rnd = is_random(func) or any(a.name == "generator" for a in args)
+            dropout_at = next((i for i, a in enumerate(args) if a.name == "dropout_p"), -1)
+            unset = tuple(i for i, r in enumerate(func._schema.returns) if r.name in _RNG_STATE_OUTPUTS) \
+                if dropout_at >= 0 else ()
+            kind = classify(func)
+            got = _INFO[func] = OpInfo(
+                str(func), kind, rnd, written, unset, dropout_at, plain_view=kind == "view" and not written,
+                tracks_base=bool(getattr(func, "is_view", False)) and str(func) not in _UNTRACKED_VIEWS)
+        _INFO_BY_ID[id(func)] = got
     return got
 
 
@@ -188,6 +204,27 @@ def tensors(value: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     if value is not None:
         _collect(value, out, _kind(type(value)) if k is None else k)
+    return out
+
+
+_NUMBERS = (int, float, bool)
+
+
+def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """``tensors((args, kwargs))`` for an op's call, without walking the pair itself (every compute op pays it).
+    An argument list whose first element is a number is not walked: an op's list argument has one schema type,
+    and a number list (``int[]``, ``SymInt[]``, ``float[]``, ``bool[]``: sizes, dims, strides) holds no tensor."""
+    out: list[torch.Tensor] = []
+    for vs in (args, kwargs.values()) if kwargs else (args,):
+        for v in vs:
+            k = _KINDS.get(type(v))
+            if k == _TENSOR:
+                out.append(v)
+            elif k != _LEAF:
+                if k is None:
+                    k = _kind(type(v))
+                if k != _SEQ or not v or type(v[0]) not in _NUMBERS:
+                    _collect(v, out, k)
     return out
 
 

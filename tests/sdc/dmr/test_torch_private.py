@@ -1,0 +1,57 @@
+"""The private torch behaviour the DMR engine's dispatch mode relies on (torch 2.13): these fail when it moves."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainguard.sdc.dmr.engine import _DMRMode
+
+
+def _passthrough(self, func, types, args=(), kwargs=None):
+    return func(*args, **(kwargs or {}))
+
+
+def test_torch_still_wraps_dispatch_modes_unless_the_hook_says_not_to():
+    """``TorchDispatchMode.__init_subclass__`` wraps ``__torch_dispatch__`` in ``torch._disable_dynamo`` when the
+    private classmethod ``_should_skip_dynamo`` returns True (its default), and leaves it as written otherwise."""
+    assert TorchDispatchMode._should_skip_dynamo() is True
+
+    class Wrapped(TorchDispatchMode):
+        __torch_dispatch__ = _passthrough
+
+    class Plain(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls):
+            return False
+
+        __torch_dispatch__ = _passthrough
+
+    assert Wrapped.__dict__["__torch_dispatch__"] is not _passthrough
+    assert Wrapped.__dict__["__torch_dispatch__"].__wrapped__ is _passthrough
+    assert Plain.__dict__["__torch_dispatch__"] is _passthrough
+
+
+def test_dmr_mode_dispatches_without_the_dynamo_wrapper():
+    raw = _DMRMode.__dict__["__torch_dispatch__"]
+    assert getattr(raw, "__wrapped__", None) is None
+    assert raw.__qualname__ == "_DMRMode.__torch_dispatch__"
+
+
+def test_a_mode_without_the_wrapper_still_sees_and_runs_every_op():
+    seen = []
+
+    class Recording(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls):
+            return False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.arange(6.0).reshape(2, 3)
+    with Recording():
+        y = (x * 2).sum()
+    assert float(y) == 30.0
+    assert "aten.mul.Tensor" in seen and "aten.sum.default" in seen
