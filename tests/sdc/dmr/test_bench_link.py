@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from trainguard.sdc.dmr.bench import CALIBRATION_TOLERANCE, _rescaled_delay, held_delay
+from trainguard.sdc.dmr.bench import CALIBRATION_TOLERANCE, HOLD_MAX_FACTOR, _rescaled_delay, held_delay
 
 WAITS = 6  # transfers a step waits on
 
@@ -32,6 +32,18 @@ def test_a_round_off_the_target_moves_the_link_half_way_towards_it(idle):
     assert (full > delay) == (idle < 0.68)  # more delay where the step idled too little
     assert new == pytest.approx((delay * full) ** 0.5)  # half the correction, on a log scale
     assert min(delay, full) < new < max(delay, full)
+
+
+@pytest.mark.parametrize("idle", [0.0, 1e-6, 0.05, 0.99, 1.0])
+def test_one_wild_round_moves_the_link_by_at_most_the_bound(idle):
+    """A round that read an idle share near 0 or 1 (a stalled peer, a paused host) moves the link by at most
+    ``HOLD_MAX_FACTOR``, in the direction it asks for; unbounded, an idle share of 0 multiplied it by ~46,000."""
+    delay = 0.8
+    got = held_delay(delay, idle, 0.68)
+    assert delay / HOLD_MAX_FACTOR - 1e-12 <= got <= delay * HOLD_MAX_FACTOR + 1e-12
+    assert (got > delay) if idle < 0.68 else (got < delay)
+    if idle in (0.0, 1.0):
+        assert got == pytest.approx(delay * HOLD_MAX_FACTOR if idle == 0.0 else delay / HOLD_MAX_FACTOR)
 
 
 def test_the_held_link_keeps_a_drifting_host_at_the_target():

@@ -52,6 +52,9 @@ CALIBRATION_TOLERANCE = 0.005  # |measured - target| idle fraction at which the 
 # Between timed rounds the link is re-set from the round's No-DMR idle share (``hold_idle``). Half the correction a
 # round (a geometric mean of the delay and the one the round asks for), so that one noisy round moves it little
 HOLD_DAMPING = 0.5
+# and by at most this factor either way: a round that read an idle share near 0 or 1 (a stalled peer, a host
+# paused for seconds) would otherwise move the link by orders of magnitude on one reading
+HOLD_MAX_FACTOR = 2.0
 
 
 def _rss_bytes() -> int:
@@ -109,10 +112,12 @@ def _rescaled_delay(delay: float, idle: float, target: float, damping: float = 1
 
 def held_delay(delay: float, idle: float, target: float) -> float:
     """The link delay for the next timed round, given the last round's No-DMR idle share ``idle``: unchanged
-    within the calibration's tolerance, else moved by half the correction :func:`_rescaled_delay` asks for."""
+    within the calibration's tolerance, else moved by half the correction :func:`_rescaled_delay` asks for, and
+    by at most ``HOLD_MAX_FACTOR`` either way."""
     if abs(idle - target) <= CALIBRATION_TOLERANCE:
         return delay
-    return _rescaled_delay(delay, idle, target, HOLD_DAMPING)
+    moved = _rescaled_delay(delay, idle, target, HOLD_DAMPING)
+    return min(max(moved, delay / HOLD_MAX_FACTOR), delay * HOLD_MAX_FACTOR)
 
 
 def _naive_by_phase(plan) -> dict[str, dict[str, float]]:
