@@ -9,8 +9,8 @@ on the same strategy for every op; the engine's counters are printed per system 
 
 Usage, from a checkout (valgrind installed; about 2 minutes)::
 
-    python tools/dmr_engine_instructions.py --plan /tmp/plan.json            # first run: writes the plan
-    python tools/dmr_engine_instructions.py --plan /tmp/plan.json --json     # then: same plan, one JSON line
+    python tools/dmr_engine_instructions.py --plan dmr-plan.json            # first run: writes the plan
+    python tools/dmr_engine_instructions.py --plan dmr-plan.json --json     # then: same plan, one JSON line
 
 Output: main-thread instructions per system and SpareTrain's extra over No-DMR (``extra_main``), and the
 other threads' (the window's checker thread). Compare two trees by running each with the same ``--plan``.
@@ -81,8 +81,8 @@ def main() -> int:
                            "--plan", a.plan, "--window-s", str(a.window_s)],
                           cwd=root, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        print(f"error: the measured run failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}",
-              file=sys.stderr)
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"error: the measured run failed (exit {proc.returncode}): {last}", file=sys.stderr)
         return 1
     res: dict[str, dict[str, int]] = {}
     for f in glob.glob(f"{out}/cg.*.*-*"):  # cg.PID.DUMP-THREAD
