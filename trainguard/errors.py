@@ -34,3 +34,9 @@ class SuspectedHardwareFault(TrainguardError):
     device, which re-executing on it will not cure. The message names rank and site."""
 
     exit_code = 3
+
+
+class Terminated(TrainguardError):
+    """The command was sent SIGTERM while its worker processes ran; they were stopped (the shell's 128 + 15)."""
+
+    exit_code = 143

@@ -18,10 +18,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainguard.errors import Terminated
 
 ERROR_DIR_ENV = "TRAINGUARD_ERROR_DIR"
 
@@ -68,6 +71,34 @@ def relaunch(cfg, cli_args: list[str]) -> LaunchResult:
             signal.signal(signal.SIGINT, old_int)
             signal.signal(signal.SIGTERM, old_term)
         return _result(rc, read_child_reports(Path(errdir)))
+
+
+def run_workers(nproc: int, module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` in ``nproc`` processes under torch's elastic agent (one thread each), their output
+    captured: how the pipeline benchmarks, campaigns and profiles run their ranks. SIGTERM sent to this process is
+    passed on to the agent, which stops its workers, and then raised as :class:`Terminated` (exit code 143):
+    without that, a terminated command left its ranks running and its temporary folder behind."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOCAL_RANK", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module,
+           *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    terminated: list[int] = []
+
+    def pass_on(signum, frame) -> None:
+        terminated.append(signum)
+        proc.send_signal(signal.SIGTERM)
+
+    on_main = threading.current_thread() is threading.main_thread()  # (signal handlers: the main thread only)
+    old_term = signal.signal(signal.SIGTERM, pass_on) if on_main else None
+    try:
+        out, err = proc.communicate()
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, old_term)
+    if terminated:
+        raise Terminated(f"terminated (SIGTERM): the {nproc} processes of {module} were stopped")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _result(rc: int, reports: list[dict]) -> LaunchResult:

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.bench import SYSTEMS, merge, run_rank
+from trainguard.train.launch import run_workers
 
 
 def register_bench(subparsers) -> None:
@@ -85,11 +83,7 @@ def run(args) -> int:
         if args.pp == 1:
             ranks = [run_rank(spec)]
         else:
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-            env.pop("LOCAL_RANK", None)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.pp}",
-                   "-m", "trainguard.sdc.dmr.bench", tmp, str(spec_path)]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            proc = run_workers(args.pp, "trainguard.sdc.dmr.bench", tmp, str(spec_path))
             if proc.returncode != 0:
                 tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-3:]
                 raise TrainguardError("bench dmr: a pipeline process failed: " + " | ".join(tail))

@@ -5,16 +5,14 @@ Relies on argparse, rich and torch's elastic launcher for pipelines."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.campaign import PHASES, run_rank
+from trainguard.train.launch import run_workers
 
 KEYS = ("trials", "detected", "masked", "silent", "unreached", "false_positives", "rollback_bitwise_equal")
 
@@ -68,11 +66,7 @@ def run(args) -> int:
         with tempfile.TemporaryDirectory(prefix="trainguard-campaign-dmr-") as tmp:
             spec_path = Path(tmp) / "spec.json"
             spec_path.write_text(json.dumps(spec))
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-            env.pop("LOCAL_RANK", None)
-            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                   "-m", "trainguard.sdc.dmr.campaign", tmp, str(spec_path)],
-                                  env=env, capture_output=True, text=True)
+            proc = run_workers(2, "trainguard.sdc.dmr.campaign", tmp, str(spec_path))
             if proc.returncode != 0:
                 raise TrainguardError("campaign dmr: a pipeline process failed: " + _worker_error(proc.stderr))
             res = json.loads((Path(tmp) / "campaign.json").read_text())

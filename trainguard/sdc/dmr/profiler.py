@@ -12,8 +12,6 @@ only sets up the run. Relies on the Trainer, the DMR engine and torch's elastic 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +24,7 @@ from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import attach
 from trainguard.sdc.dmr.profile import Profile
 from trainguard.train import Trainer, TrainerConfig
+from trainguard.train.launch import run_workers
 
 
 def _overrides(model: str, pp: int, batch: int, seq_len: int, microbatches: int) -> list[str]:
@@ -62,11 +61,7 @@ def profile_run(model: str = "llama-60m", pp: int = 2, steps: int = 1, batch: in
         target.mkdir(parents=True, exist_ok=True)
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps({"overrides": overrides, "steps": steps}))
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        env.pop("LOCAL_RANK", None)
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}",
-                               "-m", "trainguard.sdc.dmr.profiler", str(target), str(spec)],
-                              env=env, capture_output=True, text=True)
+        proc = run_workers(pp, "trainguard.sdc.dmr.profiler", str(target), str(spec))
         if proc.returncode != 0:
             tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-3:]
             raise TrainguardError("DMR profiling: a pipeline process failed: " + " | ".join(tail))
