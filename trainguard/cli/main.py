@@ -3,9 +3,9 @@ at start-up, so adding a command never touches this file.
 
 Every command handler returns an int exit code. A ``TrainguardError`` (bad config, CLI value, corpus,
 checkpoint) is printed as one line on stderr with its exit code (2 for bad input; 3 suspected hardware
-fault, 4 step aborted, 143 terminated while worker processes ran), never a traceback; Ctrl-C exits 130. In a worker of a multi-process run started
-by ``trainguard train`` (``trainguard.train.launch``) errors are handed to the launching process, which
-prints the first one once.
+fault, 4 step aborted, 143 terminated while worker processes ran), never a traceback; Ctrl-C exits 130.
+In a worker of a multi-process run started by ``trainguard train`` (``trainguard.train.launch``) errors are
+handed to the launching process, which prints the first one once.
 """
 
 from __future__ import annotations

@@ -450,6 +450,13 @@ class DMREngine:
     def module(self) -> str:
         return self._modules[-1] if self._modules else ""
 
+    def _block(self, path: str) -> str:
+        """:meth:`_block_of`, once per module path (every op that takes an autograd node asks)."""
+        block = self._blocks.get(path)
+        if block is None:
+            block = self._blocks[path] = self._block_of(path)
+        return block
+
     @staticmethod
     def _block_of(path: str) -> str:
         parts = path.split(".")
@@ -744,11 +751,7 @@ class DMREngine:
         seq = torch._C._autograd._get_sequence_nr() - 1
         if seq != self._last_seq:
             self._last_seq = seq
-            path = self._modules[-1] if self._modules else ""
-            block = self._blocks.get(path)
-            if block is None:
-                block = self._blocks[path] = self._block_of(path)
-            self._seq_owner[seq] = (op_id, block, dynamic, self._micro)
+            self._seq_owner[seq] = (op_id, self._block(self.module()), dynamic, self._micro)
 
     def _is_const(self, inf: dops.OpInfo, ins: list[torch.Tensor]) -> bool:
         """An op whose tensor inputs ``ins`` are all constants of this attempt (or that has none: a factory)."""
@@ -877,7 +880,7 @@ class DMREngine:
     def _fp_later(self, value) -> dops.Fingerprint | _Later:
         """``value``'s fingerprint, or a :class:`_Later` one while the outputs it holds fit half the budget (the
         other half is the deferred checks'): the checksums then run on the worker thread in the next window."""
-        if not (self.deferrable and not self._profiling and self.calibration is None):  # (_lazy_ok, inlined)
+        if not self._lazy_ok():
             return self._fp(value)
         ts = dops.tensors(value)
         lz = _Later(value, ts)
@@ -1325,7 +1328,7 @@ class DMREngine:
     # ---- deferred checks (D-DMR, AGC, dynamic) -----------------------------------------------------
     def _defer(self, op_id, phase, strategy, window, func, args, kwargs, ins=None, swap=None, inf=None) -> Any:
         inf = inf if inf is not None else dops.info(func)
-        if (inf.random and dops.random_call(inf, args, kwargs)) or (inf.written and dops.written_args(func, args, kwargs)):
+        if dops.random_call(inf, args, kwargs) or (inf.written and dops.written_args(func, args, kwargs)):
             if swap is not None:
                 return self._swapped(op_id, phase, strategy, window, swap, args, kwargs)
             # in-place and random ops are checked at once (their inputs or generator change right after)
@@ -1341,15 +1344,10 @@ class DMREngine:
         by_ref: list[tuple[int, torch.Tensor]] = []  # (storage, tensor) kept by reference
         clones: dict[int, torch.Tensor] | None = None
         nbytes = 0
-        params, produced = self._param_storages, self._produced
         for t in (dops.call_tensors(args, kwargs) if ins is None else ins):
             key = _storage_key(t)
-            if key not in params:
-                base = t._base
-                if base is None:
-                    base = t
-                ref = produced.get(id(base))
-                if ref is not None and ref() is base:  # (_produced_here, inlined: every deferred op's every input)
+            if key not in self._param_storages:
+                if self._produced_here(t):
                     by_ref.append((key, t))
                 else:
                     clones = clones if clones is not None else {}
@@ -1746,7 +1744,7 @@ class DMREngine:
                     ("aten.mm", "aten.sum", "aten.bmm", "aten.embedding_dense_backward")):
                 kind = "W"
         module = self.module() if phase in ("forward", "recompute") else ""
-        block = self._block_of(module) if module else (owner[1] if owner else "")
+        block = self._block(module) if module else (owner[1] if owner else "")
         seg = self._segments[-1][0] if self._segments and phase in ("forward", "recompute") else None
         rec = OpRecord(
             id=op_id, name=dops.info(func).name, phase=phase if phase != "optimizer" or self._optimizer_phase else "optimizer",

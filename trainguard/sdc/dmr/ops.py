@@ -48,11 +48,11 @@ class OpInfo:
     tracks_base: bool = False
 
 
-_INFO: dict[Any, OpInfo] = {}
-# the same, by the overload's id: an ``OpOverload`` hashes in Python (``__hash__`` is a method of its class), which
-# every dispatched op paid for each lookup keyed by the op itself. ``_INFO`` keeps each overload alive, so an id
-# found here is never one reused by another object
+# by the overload's id: an ``OpOverload`` hashes in Python (``__hash__`` is a method of its class), which every
+# dispatched op paid for each lookup keyed by the op itself. ``_KEPT`` keeps each overload alive, so an id found
+# here is never one reused by another object
 _INFO_BY_ID: dict[int, OpInfo] = {}
+_KEPT: list[Any] = []
 _UNTRACKED_VIEWS = ("aten.detach.default", "aten.alias.default", "aten.lift_fresh.default")
 # Outputs of the fused attention kernels (efficient, flash, cuDNN) that only carry the dropout RNG's state: the
 # kernels allocate them with ``at::empty`` and write nothing there when ``dropout_p`` is 0 (backward reads them
@@ -63,20 +63,17 @@ _RNG_STATE_OUTPUTS = ("philox_seed", "philox_offset", "rng_state", "unused")
 def info(func) -> OpInfo:
     got = _INFO_BY_ID.get(id(func))
     if got is None:
-        got = _INFO.get(func)
-        if got is None:
-            args = func._schema.arguments
-            written = tuple((i, a.name) for i, a in enumerate(args)
-                            if a.alias_info is not None and a.alias_info.is_write)
-            rnd = is_random(func) or any(a.name == "generator" for a in args)
-            dropout_at = next((i for i, a in enumerate(args) if a.name == "dropout_p"), -1)
-            unset = tuple(i for i, r in enumerate(func._schema.returns) if r.name in _RNG_STATE_OUTPUTS) \
-                if dropout_at >= 0 else ()
-            kind = classify(func)
-            got = _INFO[func] = OpInfo(
-                str(func), kind, rnd, written, unset, dropout_at, plain_view=kind == "view" and not written,
-                tracks_base=bool(getattr(func, "is_view", False)) and str(func) not in _UNTRACKED_VIEWS)
-        _INFO_BY_ID[id(func)] = got
+        args = func._schema.arguments
+        written = tuple((i, a.name) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+        rnd = is_random(func) or any(a.name == "generator" for a in args)
+        dropout_at = next((i for i, a in enumerate(args) if a.name == "dropout_p"), -1)
+        unset = tuple(i for i, r in enumerate(func._schema.returns) if r.name in _RNG_STATE_OUTPUTS) \
+            if dropout_at >= 0 else ()
+        kind = classify(func)
+        got = _INFO_BY_ID[id(func)] = OpInfo(
+            str(func), kind, rnd, written, unset, dropout_at, plain_view=kind == "view" and not written,
+            tracks_base=bool(getattr(func, "is_view", False)) and str(func) not in _UNTRACKED_VIEWS)
+        _KEPT.append(func)
     return got
 
 
