@@ -1,10 +1,12 @@
 """``train.launch.run_workers``: SIGTERM sent to the command reaches its ranks (they stop, and the command raises
-``Terminated``, exit code 143)."""
+``Terminated``, exit code 143); a command killed outright (SIGKILL) leaves no rank running either."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from trainguard.errors import Terminated
-from trainguard.train.launch import run_workers
+from trainguard.train.launch import PARENT_ENV, run_workers
 
 
 def _alive(pid: int) -> bool:
@@ -50,3 +52,35 @@ def test_sigterm_to_the_command_stops_its_ranks(tmp_path):
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids)
     assert signal.getsignal(signal.SIGTERM) is before  # the command's own handling is back
+
+
+def test_ranks_stop_when_the_command_is_killed_outright(tmp_path):
+    """SIGKILL cannot be passed on: the agent asks the kernel for SIGTERM when the command dies (die_with_parent)."""
+    ready = tmp_path / "ready"
+    code = f"from trainguard.train.launch import PARENT_ENV, run_workers; run_workers(2, 'tests.train._sleeping_worker', {str(ready)!r})"
+    command = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all((tmp_path / f"pid{r}").exists() for r in range(2)):
+            time.sleep(0.1)
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+        command.kill()
+        command.wait()
+        deadline = time.monotonic() + 40  # (the agent gives its workers up to 30 s to stop)
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        command.kill()
+
+
+def test_an_agent_whose_command_died_before_it_asked_exits_at_once():
+    """(In a child process: the request changes the process that makes it.)"""
+    code = "from trainguard.train.launch import die_with_parent; print(die_with_parent())"
+    root = Path(__file__).resolve().parents[2]
+    orphaned = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                              env=dict(os.environ, **{PARENT_ENV: str(os.getpid() + 1_000_000)}))
+    assert orphaned.returncode == 143 and orphaned.stdout == ""
+    watched = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                             env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}))
+    assert watched.returncode == 0 and watched.stdout.strip() == "True"

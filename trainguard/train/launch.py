@@ -7,7 +7,9 @@ traceback) into a per-launch folder named by ``$TRAINGUARD_ERROR_DIR`` instead o
 runs quietly (no ``ChildFailedError`` block), and :func:`relaunch` returns the first error by time, with its
 exit code (2 for bad input, 3, 4, 130 for Ctrl-C, 143 for SIGTERM). SIGTERM sent to this process is passed
 on to the workers (they checkpoint at the next step boundary and exit 143); Ctrl-C reaches them directly.
-Relies on the standard library (subprocess, signal) and torch's elastic launcher.
+A launching process killed outright (SIGKILL, the OOM killer) cannot pass anything on: on Linux each agent asks
+the kernel for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``), so it stops its workers then too.
+Relies on the standard library (subprocess, signal, ctypes for ``prctl``) and torch's elastic launcher.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pathlib import Path
 from trainguard.errors import Terminated
 
 ERROR_DIR_ENV = "TRAINGUARD_ERROR_DIR"
+PARENT_ENV = "TRAINGUARD_LAUNCHED_BY"  # the launching process's pid, which an agent must not outlive
+_PR_SET_PDEATHSIG = 1  # (linux/prctl.h)
 
 
 def under_launcher() -> bool:
@@ -40,6 +44,27 @@ def needs_launch(cfg) -> bool:
 def launch_command(nproc: int, cli_args: list[str]) -> list[str]:
     """The agent process: ``python -m trainguard.train.launch NPROC trainguard-args...``."""
     return [sys.executable, "-m", "trainguard.train.launch", str(nproc), *cli_args]
+
+
+def _agent_env(env: dict[str, str]) -> dict[str, str]:
+    return dict(env, **{PARENT_ENV: str(os.getpid())})
+
+
+def die_with_parent() -> bool:
+    """In an agent started by this module: have the kernel send SIGTERM to this process when the process that
+    launched it dies, however it dies (a SIGKILL cannot be passed on). If it is already gone (it died before this
+    ran), exit 143 at once. False where this is not possible (not Linux, or not started by this module)."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return False
+    if os.getppid() != int(parent):  # (orphaned before the request was made: nothing would signal it)
+        raise SystemExit(143)
+    return True
 
 
 @dataclass
@@ -60,7 +85,7 @@ def relaunch(cfg, cli_args: list[str]) -> LaunchResult:
     env.setdefault("PYTHONUNBUFFERED", "1")
     with tempfile.TemporaryDirectory(prefix="trainguard-launch-") as errdir:
         env[ERROR_DIR_ENV] = errdir
-        proc = subprocess.Popen(launch_command(nproc, cli_args), env=env)
+        proc = subprocess.Popen(launch_command(nproc, cli_args), env=_agent_env(env))
         # Ctrl-C reaches every process of the terminal's group: the workers stop themselves and the agent
         # reports; this process only waits. SIGTERM sent to this process alone is passed on.
         old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -77,12 +102,15 @@ def run_workers(nproc: int, module: str, *args: str) -> subprocess.CompletedProc
     """``python -m MODULE ARGS`` in ``nproc`` processes under torch's elastic agent (one thread each), their output
     captured: how the pipeline benchmarks, campaigns and profiles run their ranks. SIGTERM sent to this process is
     passed on to the agent, which stops its workers, and then raised as :class:`Terminated` (exit code 143):
-    without that, a terminated command left its ranks running and its temporary folder behind."""
+    without that, a terminated command left its ranks running and its temporary folder behind. If this process is
+    killed outright, the agent gets SIGTERM from the kernel (:func:`die_with_parent`) and stops them all the same
+    (the caller's temporary folder then stays: nothing of this process runs any more to remove it)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module,
-           *args]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # (torch's agent, run by this module's entry point so that it stops when this process dies: die_with_parent)
+    cmd = [sys.executable, "-m", "trainguard.train.launch", "--torchrun", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", module, *args]
+    proc = subprocess.Popen(cmd, env=_agent_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     terminated: list[int] = []
 
     def pass_on(signum, frame) -> None:
@@ -177,5 +205,17 @@ def _agent_main(argv: list[str]) -> int:
     return 0
 
 
+def _torchrun(argv: list[str]) -> None:
+    """``python -m torch.distributed.run ARGV``, exactly as that command runs it."""
+    import runpy
+
+    sys.argv = ["torch.distributed.run", *argv]
+    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+
+
 if __name__ == "__main__":
-    raise SystemExit(_agent_main(sys.argv[1:]))
+    die_with_parent()
+    if sys.argv[1:2] == ["--torchrun"]:
+        _torchrun(sys.argv[2:])
+    else:
+        raise SystemExit(_agent_main(sys.argv[1:]))
