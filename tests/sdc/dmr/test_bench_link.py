@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from trainguard.sdc.dmr.bench import CALIBRATION_TOLERANCE, HOLD_MAX_FACTOR, _rescaled_delay, held_delay
+from trainguard.sdc.dmr.bench import CALIBRATION_TOLERANCE, HOLD_MAX_FACTOR, _rescaled_delay, held_delay, paired_by_round
 
 WAITS = 6  # transfers a step waits on
 
@@ -67,3 +67,16 @@ def test_the_held_link_keeps_a_drifting_host_at_the_target():
     assert max(fixed_off[4:]) > 0.05  # calibrated once: the drift takes the rounds away from the target
     assert sum(held_off) / len(held_off) < 0.5 * sum(fixed_off) / len(fixed_off)
     assert max(held_off[4:]) < 0.03
+
+
+def test_round_by_round_figures_pair_the_systems_of_each_round():
+    """The second round ran on a host twice as slow: each round's figures come from that round's own steps (the run's
+    pooled medians would mix the two speeds), and the worst round of each is reported."""
+    r0 = {"none": {"step_s_by_round": [1.0, 2.0]}, "sparetrain": {"step_s_by_round": [1.1, 2.4]},
+          "naive": {"step_s_by_round": [1.5, 3.0]}}
+    got = paired_by_round(r0)
+    assert got["by_round"]["overhead_vs_no_dmr"] == pytest.approx([0.1, 0.2])
+    assert got["by_round"]["gain_vs_naive"] == pytest.approx([1.5 / 1.1 - 1, 3.0 / 2.4 - 1])
+    assert got["overhead_vs_no_dmr_worst_round"] == pytest.approx(0.2)
+    assert got["gain_vs_naive_worst_round"] == pytest.approx(0.25)
+    assert paired_by_round({"none": {"step_s_by_round": [1.0]}}) == {}  # (a system missing: nothing to pair)

@@ -316,6 +316,9 @@ def test_bench_reports_each_systems_own_peak_heap_and_says_how_memory_was_measur
     out = merge([res], systems)
     assert out["coverage"] == 1.0 and out["detected_in_clean_runs"] == 0
     assert out["idle_held"] is False and out["idle_by_round"] == []  # (no emulated link without a pipeline)
+    # one round of one step: the round's pair is the run's figure
+    assert out["by_round"]["gain_vs_naive"] == [pytest.approx(out["gain_vs_naive"])]
+    assert out["overhead_vs_no_dmr_worst_round"] == pytest.approx(out["overhead_vs_no_dmr"])
     if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
         assert out["memory_measure"].startswith("heap")
         assert all(res["systems"][s]["peak_heap_bytes"] == out["peak_memory_bytes"][s] > 0 for s in systems)

@@ -21,7 +21,9 @@ with it the idle share a fixed delay gives); the idle share is measured again in
 per round too. Peak memory per system is the heap in use (glibc's ``mallinfo2``, sampled every 0.5 ms) during one
 more untimed step of that system after the rounds: the systems share one process, whose resident size only
 grows (``peak_rss_bytes`` keeps it, per system as read after its rounds). Each rank writes its figures to
-``OUT/rank{r}.json``; the CLI merges them.
+``OUT/rank{r}.json``; the CLI merges them. Beside the run's figures (medians over every timed step), the
+overhead and the gain are given round by round (``by_round``: each from one round's medians, systems paired
+within the round) with the worst round of each (``*_worst_round``): how far one run moves within itself.
 
 Run inside each process by ``python -m trainguard.sdc.dmr.bench OUT CONFIG.json`` (torchrun for pipelines).
 Relies on torch (distributed), the Trainer and the DMR engine.
@@ -167,7 +169,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     trainer.train_step()
     plans = {p: plan_static(engine.profile, engine.planner_config(p)) for p in PHASES.values()} \
         if engine.profile is not None else None
-    per: dict[str, dict[str, list]] = {s: {"times": [], "idle": [], "rss": [], "where": {}} for s in systems}
+    per: dict[str, dict[str, list]] = {s: {"times": [], "idle": [], "rss": [], "where": {}, "by_round": []}
+                                       for s in systems}
     rounds, steps = spec.get("rounds", 3), spec.get("steps", 3)
     # the host's speed drifts over a run of minutes, and with it the idle share a fixed delay gives: held at the
     # target by re-setting the link after each round from that round's No-DMR steps (every system of the next round
@@ -184,6 +187,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
                 trainer.train_step()
             t, idle = _timed_steps(trainer, steps, engine, per[s]["where"])
             per[s]["times"] += t
+            per[s]["by_round"].append(statistics.median(t))
             per[s]["idle"].append(idle)
             per[s]["rss"].append(_rss_bytes())
         if delay > 0 and "none" in systems:
@@ -213,7 +217,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         "emulated_link": delay > 0, "tokens_per_step": tokens,
         "systems": {s: {"tokens_per_s": tokens / statistics.median(v["times"]), "step_s": statistics.median(v["times"]),
                         "idle_fraction": statistics.median(v["idle"]), "peak_rss_bytes": max(v["rss"]),
-                        "peak_heap_bytes": heap[s],
+                        "peak_heap_bytes": heap[s], "step_s_by_round": v["by_round"],
                         **{(k if k == "main_cpu_s" else f"checker_{k}"): statistics.median(x)
                            for k, x in v["where"].items()}}
                     for s, v in per.items()},
@@ -257,6 +261,23 @@ def merge(ranks: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
         out["overhead_vs_no_dmr"] = tps["none"] / tps["sparetrain"] - 1
     if "naive" in tps and "sparetrain" in tps:
         out["gain_vs_naive"] = tps["sparetrain"] / tps["naive"] - 1
+    out.update(paired_by_round(r0))
+    return out
+
+
+def paired_by_round(r0: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The two headline ratios round by round, each from the median steps of one round (the systems of a round ran
+    back to back on the same link, so slow drift of the host cancels in the pair), and the worst round of each:
+    how far one run's figures move, seen within the run."""
+    rounds = {s: v.get("step_s_by_round") or [] for s, v in r0.items()}
+    out: dict[str, Any] = {}
+    for key, slow, fast in (("overhead_vs_no_dmr", "sparetrain", "none"), ("gain_vs_naive", "naive", "sparetrain")):
+        a, b = rounds.get(slow, []), rounds.get(fast, [])
+        if a and len(a) == len(b):
+            pairs = [x / y - 1 for x, y in zip(a, b)]
+            out.setdefault("by_round", {})[key] = pairs
+            worst = max(pairs) if key == "overhead_vs_no_dmr" else min(pairs)
+            out[f"{key}_worst_round"] = worst
     return out
 
 
