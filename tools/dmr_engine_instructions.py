@@ -70,6 +70,13 @@ def main() -> int:
     if a.child:
         _child(a.plan, systems, a.window_s)
         return 0
+    plan_dir = os.path.dirname(os.path.abspath(a.plan))
+    if not os.path.isdir(plan_dir):  # (a typo in --plan would otherwise create folders, then a new plan there)
+        print(f"error: --plan {a.plan}: folder {plan_dir} does not exist", file=sys.stderr)
+        return 2
+    if os.path.isdir(a.plan):
+        print(f"error: --plan {a.plan} is a folder, not a plan file", file=sys.stderr)
+        return 2
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("error: valgrind (callgrind) is not installed", file=sys.stderr)
         return 2

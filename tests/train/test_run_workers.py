@@ -57,7 +57,7 @@ def test_sigterm_to_the_command_stops_its_ranks(tmp_path):
 def test_ranks_stop_when_the_command_is_killed_outright(tmp_path):
     """SIGKILL cannot be passed on: the agent asks the kernel for SIGTERM when the command dies (die_with_parent)."""
     ready = tmp_path / "ready"
-    code = f"from trainguard.train.launch import PARENT_ENV, run_workers; run_workers(2, 'tests.train._sleeping_worker', {str(ready)!r})"
+    code = f"from trainguard.train.launch import run_workers; run_workers(2, 'tests.train._sleeping_worker', {str(ready)!r})"
     command = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2])
     try:
         deadline = time.monotonic() + 60
