@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from trainguard.errors import Terminated
-from trainguard.train.launch import PARENT_ENV, run_workers
+from trainguard.train.launch import PARENT_ENV, run_workers, worker_error
 
 
 def _alive(pid: int) -> bool:
@@ -84,3 +84,10 @@ def test_an_agent_whose_command_died_before_it_asked_exits_at_once():
     watched = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                              env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}))
     assert watched.returncode == 0 and watched.stdout.strip() == "True"
+
+
+def test_a_failed_run_is_summed_up_by_the_workers_own_exception_line():
+    stderr = "[rank1]: Traceback (most recent call last):\n[rank1]:   File \"x.py\", line 3\n" \
+             "[rank1]: ValueError: bad spec\n\nE1127 torch.distributed.elastic: failed (exitcode: 1)\n"
+    assert worker_error(stderr) == "ValueError: bad spec"
+    assert worker_error("one\n\ntwo\nthree\nfour\n") == "two | three | four"  # (no exception line: the last three)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,6 +128,14 @@ def run_workers(nproc: int, module: str, *args: str) -> subprocess.CompletedProc
     if terminated:
         raise Terminated(f"terminated (SIGTERM): the {nproc} processes of {module} were stopped")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def worker_error(stderr: str) -> str:
+    """One line for a failed :func:`run_workers` call: a worker's own exception line (the agent's summary after it
+    says nothing about the cause), else the last three lines of the output."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^\[?[\w.]*(Error|Exception)\b", ln.split("]: ")[-1])]
+    return errors[-1].split("]: ")[-1] if errors else " | ".join(lines[-3:])
 
 
 def _result(rc: int, reports: list[dict]) -> LaunchResult:

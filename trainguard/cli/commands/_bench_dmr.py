@@ -12,7 +12,7 @@ from pathlib import Path
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.bench import SYSTEMS, merge, run_rank
-from trainguard.train.launch import run_workers
+from trainguard.train.launch import run_workers, worker_error
 
 
 def register_bench(subparsers) -> None:
@@ -85,8 +85,7 @@ def run(args) -> int:
         else:
             proc = run_workers(args.pp, "trainguard.sdc.dmr.bench", tmp, str(spec_path))
             if proc.returncode != 0:
-                tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-3:]
-                raise TrainguardError("bench dmr: a pipeline process failed: " + " | ".join(tail))
+                raise TrainguardError("bench dmr: a pipeline process failed: " + worker_error(proc.stderr))
             ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.pp)]
     res = merge(ranks, spec["systems"])
     res.update(model=args.model, pp=args.pp, batch=args.batch, seq_len=args.seq_len, idle_fraction_target=args.idle_fraction,

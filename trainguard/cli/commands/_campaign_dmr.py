@@ -5,14 +5,13 @@ Relies on argparse, rich and torch's elastic launcher for pipelines."""
 from __future__ import annotations
 
 import json
-import re
 import tempfile
 from pathlib import Path
 
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.campaign import PHASES, run_rank
-from trainguard.train.launch import run_workers
+from trainguard.train.launch import run_workers, worker_error
 
 KEYS = ("trials", "detected", "masked", "silent", "unreached", "false_positives", "rollback_bitwise_equal")
 
@@ -48,13 +47,6 @@ def spec_from(args) -> dict:
             "model": args.model, "progress": not args.json, "executor": args.executor}
 
 
-def _worker_error(stderr: str) -> str:
-    """The worker's own exception line (torchrun's summary after it says nothing about the cause)."""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.match(r"^\[?[\w.]*(Error|Exception)\b", ln.split("]: ")[-1])]
-    return errors[-1].split("]: ")[-1] if errors else " | ".join(lines[-3:])
-
-
 def run(args) -> int:
     spec = spec_from(args)
     out = err_console if args.json else console
@@ -68,7 +60,7 @@ def run(args) -> int:
             spec_path.write_text(json.dumps(spec))
             proc = run_workers(2, "trainguard.sdc.dmr.campaign", tmp, str(spec_path))
             if proc.returncode != 0:
-                raise TrainguardError("campaign dmr: a pipeline process failed: " + _worker_error(proc.stderr))
+                raise TrainguardError("campaign dmr: a pipeline process failed: " + worker_error(proc.stderr))
             res = json.loads((Path(tmp) / "campaign.json").read_text())
     res.update(model=args.model, pp=args.pp, phase=args.phase, seed=args.seed)
     out.print(table(f"campaign dmr: {args.model}, pp {args.pp}", {k: res[k] for k in KEYS}))

@@ -271,13 +271,13 @@ def paired_by_round(r0: dict[str, dict[str, Any]]) -> dict[str, Any]:
     how far one run's figures move, seen within the run."""
     rounds = {s: v.get("step_s_by_round") or [] for s, v in r0.items()}
     out: dict[str, Any] = {}
-    for key, slow, fast in (("overhead_vs_no_dmr", "sparetrain", "none"), ("gain_vs_naive", "naive", "sparetrain")):
+    for key, slow, fast, worst in (("overhead_vs_no_dmr", "sparetrain", "none", max),
+                                   ("gain_vs_naive", "naive", "sparetrain", min)):
         a, b = rounds.get(slow, []), rounds.get(fast, [])
         if a and len(a) == len(b):
             pairs = [x / y - 1 for x, y in zip(a, b)]
             out.setdefault("by_round", {})[key] = pairs
-            worst = max(pairs) if key == "overhead_vs_no_dmr" else min(pairs)
-            out[f"{key}_worst_round"] = worst
+            out[f"{key}_worst_round"] = worst(pairs)
     return out
 
 

@@ -24,7 +24,7 @@ from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import attach
 from trainguard.sdc.dmr.profile import Profile
 from trainguard.train import Trainer, TrainerConfig
-from trainguard.train.launch import run_workers
+from trainguard.train.launch import run_workers, worker_error
 
 
 def _overrides(model: str, pp: int, batch: int, seq_len: int, microbatches: int) -> list[str]:
@@ -63,8 +63,7 @@ def profile_run(model: str = "llama-60m", pp: int = 2, steps: int = 1, batch: in
         spec.write_text(json.dumps({"overrides": overrides, "steps": steps}))
         proc = run_workers(pp, "trainguard.sdc.dmr.profiler", str(target), str(spec))
         if proc.returncode != 0:
-            tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-3:]
-            raise TrainguardError("DMR profiling: a pipeline process failed: " + " | ".join(tail))
+            raise TrainguardError("DMR profiling: a pipeline process failed: " + worker_error(proc.stderr))
         paths = [target / f"profile-rank{r}.json" for r in range(pp)]
         prof = Profile.load(paths[0])
         prof.meta["profiles"] = [str(p) for p in paths] if out_dir is not None else \
