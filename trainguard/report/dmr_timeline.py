@@ -6,7 +6,9 @@ Lanes, top to bottom, on the iteration's time axis:
   optimizer);
 * checkers: upper band, checkers that run at that point: naive (inline, right after the op) and P-DMR
   (the recompute ops are the checkers, and the last op of each P-DMR segment runs once more, dark green);
-  lower band, ops whose checker runs later (AGC, deferred, dynamic), at their primary execution;
+  lower band, ops whose checker runs later (AGC, deferred, dynamic; and the naive backward ops the plan marked
+  for carrying past the update, pink: checked at once where the engine does not hold the update), at their
+  primary execution;
 * communication: the idle windows by kind (pp, tp, ep, dp; dynamic windows hatched), each filled by the
   AGC segments and deferred checkers placed in it;
 * memory: the profiled memory curve, the curve with the plan's deferral, and the budget.
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 PHASE_COLORS = {"forward": "#4c72b0", "recompute": "#8fb4e3", "B": "#dd8452", "W": "#a65628", "optimizer": "#8c8c8c",
                 "comm": "#cccccc"}
 STRATEGY_COLORS = {"naive": "#d62728", "p-dmr": "#2ca02c", "agc": "#9467bd", "d-inter": "#17becf", "d-intra": "#1f77b4",
-                   "dynamic": "#ff7f0e", "none": "#eeeeee", "fingerprints": "#8c8c8c"}
+                   "dynamic": "#ff7f0e", "none": "#eeeeee", "fingerprints": "#8c8c8c", "carried": "#e377c2"}
 WINDOW_COLORS = {"pp": "#fde0dd", "tp": "#e5f5e0", "ep": "#fff7bc", "dp": "#efedf5"}
 
 
@@ -89,7 +91,9 @@ def draw_timeline(profile: Profile, plan: Plan, path: str | Path, *, title: str 
         p = plan.ops.get(o.id)
         if p is None or p.strategy in ("comm", "none"):
             continue
-        if p.strategy == "naive" or (p.strategy == "p-dmr" and o.phase == "recompute"):
+        if p.strategy == "naive" and p.window == "carry":  # (when the update is held: in the next iteration's windows)
+            later.setdefault("carried", []).append((t0[o.id], dt[o.id]))
+        elif p.strategy == "naive" or (p.strategy == "p-dmr" and o.phase == "recompute"):
             here.setdefault(p.strategy, []).append((t0[o.id], dt[o.id]))
         elif p.strategy != "p-dmr":
             later.setdefault(p.strategy, []).append((t0[o.id], dt[o.id]))
@@ -142,6 +146,8 @@ def draw_timeline(profile: Profile, plan: Plan, path: str | Path, *, title: str 
                ("optimizer", "optimizer"), ("comm", "comm op"))]
     legend += [Patch(color=STRATEGY_COLORS[k], label=k) for k in ("naive", "p-dmr", "agc", "d-inter", "d-intra", "dynamic")
                if any(p.strategy == k for p in plan.ops.values())]
+    if later.get("carried"):
+        legend.append(Patch(color=STRATEGY_COLORS["carried"], label="naive, or carried past a held update"))
     if any(w.settle_s for w in wins.values()):
         legend.append(Patch(color=STRATEGY_COLORS["fingerprints"], label="fingerprints taken in the window"))
     if runs:

@@ -113,10 +113,18 @@ def test_model_without_the_profiler_is_refused(capsys):
     assert rc == 2 and "pass --profile" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("argv, msg", [(["--switch-warmup", "-1"], "--switch-warmup must be >= 0"),
+@pytest.mark.parametrize("argv, msg", [(["--switch-warmup", "-1"], "--switch-warmup and --system-warmup must be >= 0"),
+                                       (["--system-warmup", "-2"], "--switch-warmup and --system-warmup must be >= 0"),
                                        (["--idle-fraction", "0.99"], "--idle-fraction must be in"),
                                        (["--systems", "fast"], "--systems: unknown fast")])
 def test_bench_dmr_bad_input_is_one_line_exit_2(capsys, argv, msg):
     assert main(["bench", "dmr", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and msg in err
+
+
+def test_bench_dmr_refuses_an_unknown_carry_budget_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:  # (argparse's own choice check)
+        main(["bench", "dmr", "--carry-budget", "all"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "invalid choice: 'all'" in err

@@ -337,3 +337,46 @@ def test_fingerprint_costs_in_a_profile_are_checked(tmp_path):
         path.write_text(json.dumps(d))
         with pytest.raises(TrainguardError, match="meta.fingerprint_s_per_byte must be a finite number"):
             read_profile(path)
+
+
+def _no_window_after_backward() -> Profile:
+    """F0 (1 s), a 4 s pp window, then backward ops B1-B4 (3, 2, 1, 0.5 s) with no window after them, and the
+    update (0.5 s)."""
+    q = Builder()
+    q.op("F0", time=1.0, out_bytes=100)
+    q.window("W1", "pp", 4.0)
+    for k, t in (("B1", 3.0), ("B2", 2.0), ("B3", 1.0), ("B4", 0.5)):
+        q.op(k, phase="backward", kind="B", time=t, out_bytes=100)
+    q.op("O", phase="optimizer", kind="O", time=0.5, out_bytes=100)
+    return q.profile(budget=10**9, base=0)
+
+
+def test_the_plan_carries_past_the_update_every_naive_backward_op_or_what_the_windows_have_room_for():
+    profile = _no_window_after_backward()
+    # the default (unbounded): every naive backward op (what the windows do not hold is checked in the next
+    # iteration's drain); the room is still reported
+    every = plan_static(profile, PlannerConfig(window_fill=1.0))
+    assert every.window("W1").ops == ["F0"]  # (the backward ops have no window after them: naive)
+    assert sorted(k for k, o in every.ops.items() if o.window == "carry") == ["B1", "B2", "B3", "B4"]
+    assert every.carry_budget_s == pytest.approx(2.5) and every.summary["carry_s"] == pytest.approx(6.5)
+    # windows: room 4 - 1 (F0's check) - 0.5 (the held update's check) = 2.5 s; the largest that fit first: B2, B4
+    plan = plan_static(profile, PlannerConfig(window_fill=1.0, carry="windows"))
+    assert plan.carry_budget_s == pytest.approx(2.5)
+    carried = sorted(k for k, o in plan.ops.items() if o.window == "carry")
+    assert carried == ["B2", "B4"] and all(plan.ops[k].strategy == "naive" for k in carried)
+    assert [plan.may_carry(plan.ops[k]) for k in ("B1", "B2", "B3", "B4")] == [False, True, False, True]
+    assert plan.summary["carry_ops"] == 2 and plan.summary["carry_s"] == pytest.approx(2.5)
+    assert coverage_report(plan, profile).fraction == 1.0
+    # a window filled to 80%: 3.2 - 1 - 0.5 = 1.7 s, so B2 no longer fits: B3 (1 s) and B4
+    assert sorted(k for k, o in plan_static(profile, PlannerConfig(window_fill=0.8, carry="windows")).ops.items()
+                  if o.window == "carry") == ["B3", "B4"]
+    # the budget survives the plan file; a plan from before it (no carry_budget_s) may carry every naive op
+    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again.carry_budget_s == pytest.approx(2.5) and not again.may_carry(again.ops["B1"])
+    old = plan.to_json()
+    del old["carry_budget_s"]
+    assert Plan.from_json(old).may_carry(plan.ops["B1"])
+    with pytest.raises(ConfigError, match="carry must be windows or unbounded"):
+        plan_static(profile, PlannerConfig(carry="some"))
+    with pytest.raises(ConfigError, match="carry_budget"):
+        load_config(None, ["--sdc.dmr.carry_budget", "some"])

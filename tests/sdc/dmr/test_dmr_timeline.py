@@ -27,3 +27,25 @@ def test_adjacent_tiny_bars_merge():
     assert len(merged) == 2 and merged[1] == (5.0, 1.0)
     assert abs(merged[0][0]) < 1e-12 and abs(merged[0][1] - (0.999 + 0.0009)) < 1e-9
     assert len(_merge(bars, gap=0.0)) == 1001  # without a gap the 0.0001 spaces keep them apart
+
+
+def test_ops_marked_for_carrying_past_the_update_have_their_own_colour(tmp_path):
+    import matplotlib
+    from _dmr_profiles import Builder
+
+    from trainguard.sdc.dmr.planner import PlannerConfig
+
+    q = Builder()
+    q.op("F0", time=1.0, out_bytes=100)
+    q.window("W1", "pp", 4.0)
+    q.op("B1", phase="backward", kind="B", time=1.0, out_bytes=100)
+    profile = q.profile(budget=10**9, base=0)
+    label = "carried past a held update"
+    for carry in ("windows", "unbounded"):
+        plan = plan_static(profile, PlannerConfig(carry=carry))
+        assert plan.ops["B1"].window == "carry"
+        with matplotlib.rc_context({"svg.fonttype": "none"}):  # (text kept as text)
+            assert label in draw_timeline(profile, plan, tmp_path / f"{carry}.svg").read_text()
+    plan = plan_static(profile, PlannerConfig(window_fill=0.3, carry="windows"))  # 1.2 s of room: none left for B1
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        assert label not in draw_timeline(profile, plan, tmp_path / "none.svg").read_text()

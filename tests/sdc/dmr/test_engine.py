@@ -187,11 +187,12 @@ def test_determinism_report_and_tolerance_mode(batches, clean, tmp_path):
         load_tolerances(tmp_path / "bad.json", 8.0)
 
 
-def _held_trainer(batches, *extra):
+def _held_trainer(batches, *extra, carry_budget="unbounded"):
     """A single-process trainer whose engine takes the pipeline path (fingerprints later, update held): no
-    window ever opens, so every check runs in the drain, which exercises the same code."""
+    window ever opens, so every check runs in the drain, which exercises the same code. (``carry_budget =
+    "windows"`` carries none here: no window has room.)"""
     t = _trainer(batches, "--train.activation_checkpoint", "full", *extra)
-    eng = attach(t, DMRConfig(enabled=True))
+    eng = attach(t, DMRConfig(enabled=True, carry_budget=carry_budget))
     eng.deferrable = True
     return t, eng
 
@@ -233,6 +234,26 @@ def test_a_wrong_backward_op_whose_check_was_carried_past_the_update_rewinds_bot
     assert results[2].retries[0]["rewind"] and results[2].retries[0]["rewound_to"] == 1
     assert eng.counts["carried"] > 0 or eng.totals["detected"] >= 1
     assert _equal(_params(t), clean)
+
+
+def test_with_no_window_room_the_plan_carries_nothing_and_a_wrong_backward_op_is_retried_in_its_own_step(
+        batches, clean):
+    """The plan's carry budget is the room the next iteration's windows leave: with no window at all it is 0, so
+    the naive backward ops are checked at once (none is carried) and a fault is found in its own step."""
+    t, eng = _held_trainer(batches, carry_budget="windows")
+    inj = Injector(Fault(OpSite("*", "backward", 23, compute_only=True), FaultModel("bitflip", field="exponent"),
+                         step=1), seed=7).attach(t)
+    results = [t.train_step() for _ in range(3)]
+    assert eng.plan.carry_budget_s == 0 and eng.plan.summary["carry_ops"] == 0
+    assert len(inj.records) == 1 and eng.totals["detected"] == 1
+    assert [r.attempts for r in results] == [2, 2, 1] and not results[1].retries[0].get("rewind")
+    assert _equal(_params(t), clean)
+    eng.cfg.coverage = True
+    t.train_step()
+    carried = [(name, phase) for _, name, phase, _, window in eng.coverage if window == "carry"]
+    # (only the list op over every gradient, which no plan entry covers, is still carried: see _grad_swap)
+    assert all(name.startswith("aten._foreach_") for name, _ in carried), carried
+    assert eng.counts["naive"] > 0
 
 
 def test_a_carried_check_that_fails_when_the_state_is_read_re_executes_the_last_step_first(batches, clean):
@@ -303,17 +324,55 @@ def test_only_a_parameters_own_gradient_is_swapped_and_only_where_the_values_sta
     assert eng._grad_swap(add_, (model.weight.grad, torch.ones(4, 4)), {}) is None
 
 
-def test_bench_reports_each_systems_own_peak_heap_and_says_how_memory_was_measured():
+def test_a_systems_warm_up_stops_once_a_step_no_longer_grows_the_heap(monkeypatch):
+    from trainguard.sdc.dmr import bench
+
+    class Steps:
+        n = 0
+
+        def train_step(self):
+            self.n += 1
+
+    for growth, most, ran in (([0, 9000, 100, 50, 9000], 8, 4), ([9000] * 8, 4, 4), ([0, 0, 0], 8, 2),
+                              ([1999, 1999], 8, 2), ([2000, 0, 0], 8, 3), ([0, 9000] * 4, 6, 6), ([0, 0], 1, 1)):
+        reads = [0]
+
+        def page_faults(reads=reads, growth=growth):  # (read before and after each step: the k-th step adds growth[k])
+            k, after = divmod(reads[0], 2)
+            reads[0] += 1
+            return sum(growth[:k + after])
+        monkeypatch.setattr(bench, "_page_faults", page_faults)
+        monkeypatch.setattr(bench, "_set_system", lambda *a: None)
+        t = Steps()
+        assert bench._warm_up(None, t, "sparetrain", None, most) == ran == t.n, (growth, most)
+
+
+def test_bench_reports_each_systems_own_peak_heap_and_says_how_memory_was_measured(monkeypatch):
     """One bench rank in a single process (no pipeline, so no idle windows): every system gets its own peak."""
+    import itertools
     import platform
     import sys
 
+    from trainguard.sdc.dmr import bench
     from trainguard.sdc.dmr.bench import merge, run_rank
 
+    switches: list[tuple[str, int]] = []
+    set_system = bench._set_system
+    monkeypatch.setattr(bench, "_set_system", lambda engine, trainer, s, plans=None: (
+        switches.append((s, trainer.step_idx)), set_system(engine, trainer, s, plans))[-1])
     systems = ["none", "naive", "sparetrain"]
     res = run_rank({"overrides": SMALL + ["--train.activation_checkpoint", "full"], "systems": systems,
-                    "rounds": 1, "steps": 1, "warmup": 1})
+                    "rounds": 1, "steps": 1, "warmup": 1, "system_warmup": 2})
+    # after the warm-up and the profiled step: each system's untimed steps (until its heap stops growing: two
+    # quiet steps, which is also the most allowed here), then the round (1 + 1 each)
+    first = next(i for i, (s, _) in enumerate(switches) if s == "sparetrain")
+    warm, timed = switches[first + 1:first + 4], switches[first + 4:first + 7]
+    assert [s for s, _ in warm] == systems and [s for s, _ in timed] == systems
+    assert [b - a for (_, a), (_, b) in zip(warm, warm[1:] + timed[:1])] == [res["warm_up_steps"][s] for s in systems]
+    assert all(n == 2 for n in res["warm_up_steps"].values())
+    assert [b - a for (_, a), (_, b) in itertools.pairwise(timed)] == [2, 2]
     out = merge([res], systems)
+    assert out["warm_up_steps"] == res["warm_up_steps"]
     assert out["coverage"] == 1.0 and out["detected_in_clean_runs"] == 0
     assert out["idle_held"] is False and out["idle_by_round"] == []  # (no emulated link without a pipeline)
     # one round of one step: the round's pair is the run's figure

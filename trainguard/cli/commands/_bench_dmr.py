@@ -12,6 +12,7 @@ from pathlib import Path
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.bench import SYSTEMS, merge, run_rank
+from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.train.launch import run_workers, worker_error
 
 
@@ -27,6 +28,10 @@ def register_bench(subparsers) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per round and system (default 2)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--system-warmup", type=int, default=8,
+                   help="untimed steps of each system before the first round, at most (default 8): they stop after "
+                        "two in a row that each add fewer than 2,000 page faults a rank (its heap has reached its peak; "
+                        "the first round would otherwise pay for the growth)")
     p.add_argument("--switch-warmup", type=int, default=1,
                    help="untimed steps after each switch of system (default 1: a switch drops the engine's copies "
                         "of the state, which a run makes once)")
@@ -36,6 +41,9 @@ def register_bench(subparsers) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
     p.add_argument("--memory-budget-mb", type=float, default=0.0,
                    help="memory the deferred checks may hold per rank ([sdc.dmr] memory_budget_mb; 0: its default)")
+    p.add_argument("--carry-budget", choices=("unbounded", "windows"), default=DMRConfig().carry_budget,
+                   help="naive backward ops carried past the update ([sdc.dmr] carry_budget): unbounded (default: all) "
+                        "or windows (as many as the profiled windows have room for)")
     p.add_argument("--host-memory", choices=("retain", "default"), default="retain",
                    help="retain (default): every system keeps freed CPU memory in the process instead of page-faulting "
                         "large buffers every step ([train] host_memory; what CUDA's caching allocator does); default: "
@@ -56,8 +64,9 @@ def _spec(args) -> dict:
         raise ConfigError(f"--idle-fraction must be in [0, 0.95), got {args.idle_fraction}")
     if args.pp < 1 or args.rounds < 1 or args.steps < 1 or args.warmup < 1:
         raise ConfigError("--pp, --rounds, --steps and --warmup must be >= 1")
-    if args.switch_warmup < 0:
-        raise ConfigError(f"--switch-warmup must be >= 0, got {args.switch_warmup}")
+    if args.switch_warmup < 0 or args.system_warmup < 0:
+        raise ConfigError(f"--switch-warmup and --system-warmup must be >= 0, got {args.switch_warmup}, "
+                          f"{args.system_warmup}")
     if not args.memory_budget_mb >= 0:
         raise ConfigError(f"--memory-budget-mb must be >= 0, got {args.memory_budget_mb}")
     overrides = ["--model.preset", args.model, "--data.seq_len", str(args.seq_len), "--data.batch_size", str(args.batch),
@@ -69,7 +78,8 @@ def _spec(args) -> dict:
         overrides += ["--distributed.pp", str(args.pp), "--distributed.microbatches", str(args.microbatches)]
     return {"overrides": overrides, "systems": systems, "idle_fraction": args.idle_fraction, "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup, "switch_warmup": args.switch_warmup,
-            "memory_budget_mb": args.memory_budget_mb, "hold_idle": args.hold_idle}
+            "system_warmup": args.system_warmup,
+            "memory_budget_mb": args.memory_budget_mb, "hold_idle": args.hold_idle, "carry_budget": args.carry_budget}
 
 
 def run(args) -> int:
@@ -89,7 +99,7 @@ def run(args) -> int:
             ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.pp)]
     res = merge(ranks, spec["systems"])
     res.update(model=args.model, pp=args.pp, batch=args.batch, seq_len=args.seq_len, idle_fraction_target=args.idle_fraction,
-               host_memory=args.host_memory, gc=args.gc)
+               host_memory=args.host_memory, gc=args.gc, carry_budget=args.carry_budget)
     rows = {k: v for k, v in res.items() if not isinstance(v, (dict, list))}
     out.print(table("bench dmr (side by side; " + ("emulated link" if res["idle_fraction_emulated"] else "loopback link")
                     + ")", rows))

@@ -48,6 +48,10 @@ def register_plan(subparsers) -> None:
     p.add_argument("--window-fill", type=float, default=DMRConfig().window_fill,
                    help="share of each communication window to fill with checks (default %(default)s, as [sdc.dmr] "
                         "window_fill; 1: all of it, the paper's)")
+    p.add_argument("--carry", choices=("unbounded", "windows"), default=DMRConfig().carry_budget,
+                   help="naive backward ops the engine may carry past the update into the next iteration's windows: "
+                        "unbounded (default, as [sdc.dmr] carry_budget: all) or windows (as many as the profiled "
+                        "windows have room for)")
     p.add_argument("--out", default="runs/plan-dmr/plan.json", help="plan JSON to write ('' to skip)")
     p.add_argument("--figure", default="runs/plan-dmr/timeline.png", help="timeline figure to write ('' to skip)")
     add_json_flag(p)
@@ -87,7 +91,7 @@ def run(args) -> int:
         raise ConfigError(f"--figure must end in .png, .svg or .pdf, got {args.figure!r}")
     profile, source = _profile(args)
     plan = plan_static(profile, PlannerConfig(phases=phases, memory_budget_bytes=budget, pdmr_tail=args.pdmr_tail,
-                                              window_fill=args.window_fill))
+                                              window_fill=args.window_fill, carry=args.carry))
     base = {"no-dmr": no_dmr(profile).summary, "naive-only": naive_only(profile).summary}
     fig = out = None
     try:
@@ -112,6 +116,8 @@ def run(args) -> int:
             "P-DMR segments (exceptions)": f"{s['pdmr_segments']} ({s['pdmr_exceptions']})",
             "AGC segments": s["agc_segments"],
             "windows used / all": f"{s['windows_used']} / {s['windows']}",
+            "carried past the update, at most: ops (op time s)": f"{s['carry_ops']} ({s['carry_s']:.3f})",
+            "  room for them in the next iteration's windows (s)": s["carry_budget_s"],
             "memory budget (bytes)": s["memory_budget_bytes"], "peak (bytes)": s["peak_bytes"],
             "peak with deferral (bytes)": s["peak_with_deferral_bytes"]}
     show.print(table("trainguard plan dmr", rows))

@@ -2,7 +2,9 @@
 side by side.
 
 Every system runs on the same model, batches and pipeline, in alternating rounds (the order rotates each
-round), after a warm-up; throughput is tokens over the median step time of each system. The first step
+round), after a warm-up (each system first runs untimed steps, at most ``system_warmup``, until two in a row
+each add fewer than ``WARM_FAULTS`` page faults: its first steps grow the heap to its peak, page faults the first round would
+otherwise be charged with); throughput is tokens over the median step time of each system. The first step
 after each switch of system is not timed (``switch_warmup``): a switch drops the DMR engine's copies of
 the state, which the held update then makes again, once a run in training, once a round here. Each
 system's ``main_cpu_s`` is the main thread's CPU time per step (median): the engine's work on the
@@ -57,6 +59,10 @@ HOLD_DAMPING = 0.5
 # and by at most this factor either way: a round that read an idle share near 0 or 1 (a stalled peer, a host
 # paused for seconds) would otherwise move the link by orders of magnitude on one reading
 HOLD_MAX_FACTOR = 2.0
+# A system's warm-up (``system_warmup``) stops after two steps in a row that each add fewer page faults than this a
+# rank (8 MiB of 4 KiB pages): its heap has reached its peak. (A first fault costs about 15 us here: 110,000 of them, one
+# SpareTrain step's growth at idle 0.3, were 1.7 s of system time.)
+WARM_FAULTS = 2000
 
 
 def _rss_bytes() -> int:
@@ -73,6 +79,31 @@ def _mean_over_ranks(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()
+
+
+def _page_faults() -> int:
+    """The process's minor page faults so far (first touches of memory; 0 where the platform does not count them)."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except (ImportError, OSError):
+        return 0
+
+
+def _warm_up(engine, trainer, system: str, plans: dict | None, most: int) -> int:
+    """Untimed steps of ``system`` until two in a row each add fewer than WARM_FAULTS page faults (the mean over
+    ranks: every rank stops at the same step), at most ``most``; returns how many ran. (Two: the first step after a
+    switch carries nothing past its update, so it grows the heap less than the ones after it.)"""
+    _set_system(engine, trainer, system, plans)
+    quiet = 0
+    for n in range(1, most + 1):
+        f0 = _page_faults()
+        trainer.train_step()
+        quiet = quiet + 1 if _mean_over_ranks(float(_page_faults() - f0)) < WARM_FAULTS else 0
+        if quiet == 2:
+            return n
+    return most
 
 
 def _set_system(engine, trainer, system: str, plans: dict | None = None) -> None:
@@ -136,7 +167,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec.get("threads", 1))
     cfg = TrainerConfig.load(None, spec["overrides"])
     trainer = Trainer(cfg, progress=False)
-    engine = attach(trainer, DMRConfig(enabled=True, system="none", memory_budget_mb=spec.get("memory_budget_mb", 0.0)))
+    engine = attach(trainer, DMRConfig(enabled=True, system="none", memory_budget_mb=spec.get("memory_budget_mb", 0.0),
+                                       carry_budget=spec.get("carry_budget", "unbounded")))
     systems = spec.get("systems", list(SYSTEMS))
     # warm-up (and calibration of the emulated link) on No-DMR
     _set_system(engine, trainer, "none")
@@ -172,6 +204,11 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     per: dict[str, dict[str, list]] = {s: {"times": [], "idle": [], "rss": [], "where": {}, "by_round": []}
                                        for s in systems}
     rounds, steps = spec.get("rounds", 3), spec.get("steps", 3)
+    # every system's first steps grow the heap to its peak, page faults that retained host memory then keeps (110,000
+    # a SpareTrain step at idle 0.3, 1.7 s of system time a rank, over its first five steps), which the first round
+    # would be charged with: each runs untimed until its heap stops growing, as a training run has those steps
+    # behind it after its first iterations (a SpareTrain system's heap grew over about five steps after a switch)
+    warmed = {s: _warm_up(engine, trainer, s, plans, spec.get("system_warmup", 0)) for s in systems}
     # the host's speed drifts over a run of minutes, and with it the idle share a fixed delay gives: held at the
     # target by re-setting the link after each round from that round's No-DMR steps (every system of the next round
     # runs on the same link, so the comparison stays side by side)
@@ -212,7 +249,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     coverage = engine.coverage_report()
     tokens = trainer.tokens_per_step
     out = {
-        "rank": trainer.rank, "strategy": trainer.strategy.name, "link_delay_ms": delay * 1000,
+        "rank": trainer.rank, "strategy": trainer.strategy.name, "link_delay_ms": delay * 1000, "warm_up_steps": warmed,
         "idle_fraction_calibrated": calibrated, "hold_idle": hold, "rounds": by_round,
         "emulated_link": delay > 0, "tokens_per_step": tokens,
         "systems": {s: {"tokens_per_s": tokens / statistics.median(v["times"]), "step_s": statistics.median(v["times"]),
@@ -248,6 +285,8 @@ def merge(ranks: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
         "idle_held": ranks[0].get("hold_idle", False),
         # per timed round: the link's delay and the No-DMR steps' idle share (mean over ranks)
         "idle_by_round": ranks[0].get("rounds", []),
+        # untimed steps each system ran before the first round, until its heap stopped growing (every rank alike)
+        "warm_up_steps": ranks[0].get("warm_up_steps", {}),
         "coverage": min(r["coverage"] for r in ranks), "detected_in_clean_runs": sum(r["detected"] for r in ranks),
         "peak_memory_bytes": {s: max(r["systems"][s][key] for r in ranks) for s in systems},
         "memory_measure": "heap in use during one untimed step (glibc mallinfo2, sampled)" if key == "peak_heap_bytes"

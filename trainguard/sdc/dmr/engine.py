@@ -71,7 +71,7 @@ from trainguard.sdc.dmr.agc import StaleInput, Tape
 from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.determinism import load_tolerances
 from trainguard.sdc.dmr.dynamic import DynamicPlanner, Entry
-from trainguard.sdc.dmr.plan import Plan
+from trainguard.sdc.dmr.plan import CARRY, Plan
 from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
 from trainguard.sdc.dmr.profile import OpRecord, Profile, Window
 from trainguard.train.activation_checkpoint import add_checkpoint_context, set_checkpoint_early_stop
@@ -81,7 +81,6 @@ from trainguard.utils.threadflag import ThreadFlag
 _FUSED_OPTIMIZERS = ("aten._fused_adamw_.default", "aten._fused_adam_.default")
 _CHECKING = ThreadFlag()  # set while this thread runs deferred checkers
 _DEFERRED = ("d-inter", "d-intra", "agc")
-CARRY = "carry"  # the window of checks carried into the next iteration
 
 
 @contextlib.contextmanager
@@ -533,8 +532,10 @@ class DMREngine:
                     return "p-dmr", None
                 if a.strategy == "dynamic":
                     return "dynamic", None
-                if phase == "backward" and self._carrying():
-                    return "d-inter", CARRY  # no window follows it before the update: the next iteration's first
+                if phase == "backward" and self.plan.may_carry(a) and self._carrying():
+                    # no window of this iteration has room for it: the next iteration's, in the time their own checks
+                    # leave (the rest in its drain)
+                    return "d-inter", CARRY
                 return "naive", None
         if phase == "forward" and in_segment:
             return "p-dmr", None
@@ -1809,7 +1810,7 @@ class DMREngine:
     def planner_config(self, phases: tuple[int, ...] | None = None) -> PlannerConfig:
         """The planner settings this engine's config implies (``phases``: the ablation's, else the config's)."""
         return PlannerConfig(phases=tuple(phases or self.cfg.phases), keep_outputs=not self.cfg.fingerprints,
-                             pdmr_tail=self.cfg.pdmr_tail, window_fill=self.cfg.window_fill)
+                             pdmr_tail=self.cfg.pdmr_tail, window_fill=self.cfg.window_fill, carry=self.cfg.carry_budget)
 
     # ---- reporting -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:

@@ -7,7 +7,10 @@ Strategies (``OpPlan.strategy``):
 
 * ``p-dmr``: checked by the activation-checkpoint recompute (forward ops and their recompute ops of an AC
   segment; the segment's last op runs once more, see ``PDMRSegment``);
-* ``naive``: the checker runs right after the op, on the critical path;
+* ``naive``: the checker runs right after the op, on the critical path; a backward op whose window is
+  ``carry`` (:data:`CARRY`) may instead be carried past the update into the next iteration's windows, when the
+  engine holds the update (``[sdc.dmr] carry_last``): the plan marks all of them, or as many as those windows
+  have room for (``carry_budget_s``, ``PlannerConfig.carry``);
 * ``d-inter`` / ``d-intra``: the checker is deferred into an inter-node (pp, dp) / intra-node (tp, ep) idle
   window (``OpPlan.window``); the op's inputs and outputs are kept alive until then;
 * ``agc``: checked by replaying an activation-gradient-checkpoint segment (``OpPlan.agc``) in the pipeline
@@ -38,6 +41,7 @@ FORMAT = "trainguard-dmr-plan-1"
 CHECKED = ("p-dmr", "naive", "d-inter", "d-intra", "agc", "dynamic")  # strategies that check an op
 STRATEGIES = (*CHECKED, "comm", "none")
 DEFERRED = {"d-inter": ("pp", "dp"), "d-intra": ("tp", "ep")}  # strategy -> window kinds it may use
+CARRY = "carry"  # the window of naive backward ops the engine may carry into the next iteration's windows
 
 
 class CoverageError(TrainguardError):
@@ -156,6 +160,10 @@ class Plan:
     memory_curve: list[tuple[float, int]] = field(default_factory=list)  # with deferral: (time, bytes)
     summary: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
+    # the time the next iteration's profiled windows have left for checks carried past the update (the naive backward
+    # ops marked ``window = CARRY``: all of them, or those that fit it); None: a plan made before it, under which the
+    # engine may carry every naive backward op
+    carry_budget_s: float | None = None
     format: str = FORMAT
 
     # -- lookups -------------------------------------------------------------------------------------
@@ -168,6 +176,10 @@ class Plan:
     def assignment(self, op_id: str) -> OpPlan | None:
         """What the engine asks per op id: its strategy and window (None: an op the plan does not know)."""
         return self.ops.get(op_id)
+
+    def may_carry(self, op: OpPlan) -> bool:
+        """Whether the engine may carry this naive backward op past the update (when it holds the update)."""
+        return self.carry_budget_s is None or op.window == CARRY
 
     def ops_with(self, strategy: str) -> list[str]:
         return [k for k, o in self.ops.items() if o.strategy == strategy]
@@ -359,6 +371,9 @@ def summarize(plan: Plan, peak_bytes: int = 0) -> dict[str, Any]:
         "pdmr_exceptions": sum(1 for s in plan.pdmr_segments if s.decision.startswith("naive")),
         "agc_segments": len(plan.agc_segments),
         "agc_gain_s": sum(a.gain_s for a in plan.agc_segments),
+        "carry_ops": sum(1 for o in plan.ops.values() if o.strategy == "naive" and o.window == CARRY),
+        "carry_s": sum(o.time_s for o in plan.ops.values() if o.strategy == "naive" and o.window == CARRY),
+        "carry_budget_s": plan.carry_budget_s,
         "windows": len(plan.windows),
         "windows_used": sum(1 for w in plan.windows if w.used_s > 0),
         "window_time_s": sum(w.duration_s for w in static_windows),

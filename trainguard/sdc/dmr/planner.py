@@ -45,7 +45,7 @@ import numpy as np
 
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.dynamic import best_fit
-from trainguard.sdc.dmr.plan import AGCSegment, OpPlan, PDMRSegment, Plan, WindowLoad, coverage_report, summarize
+from trainguard.sdc.dmr.plan import CARRY, AGCSegment, OpPlan, PDMRSegment, Plan, WindowLoad, coverage_report, summarize
 from trainguard.sdc.dmr.profile import Kind, OpRecord, Phase, Profile, WindowKind
 
 PHASE_SETS = ((1,), (1, 2), (1, 2, 3))
@@ -70,6 +70,9 @@ class PlannerConfig:
     # (``[sdc.dmr] window_fill``): a window filled to the brim makes the step wait for any checker that runs
     # slower than profiled.
     window_fill: float = 1.0
+    # Which naive backward ops the engine may carry past the update (``[sdc.dmr] carry_budget``): "unbounded" -> all
+    # of them; "windows" -> as many as the next iteration's profiled windows have room for (mark_carried)
+    carry: str = "unbounded"
 
 
 def parse_phases(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -686,6 +689,31 @@ def phase3_queue(st: _State) -> None:
         st.assign(o.id, "naive")
 
 
+def mark_carried(st: _State) -> float:
+    """The naive backward ops the engine may carry past the update into the next iteration's windows (when it
+    holds the update, ``[sdc.dmr] carry_last``): all of them (``carry = "unbounded"``, the default), or
+    (``"windows"``) as many as those windows have room for. Those windows first run the checks planned there, then
+    the held update's check and the fingerprints of the outputs made after this iteration's last window, and the
+    carried checks in the time left. So the budget is the windows' room (``window_fill`` of each, less what the
+    phases planned there) less those two; the largest checks are marked first (the engine's work per carried op is
+    the same whatever its size), each while it fits, and the rest are checked at once. That holds less memory
+    across the update, but measured slower: at run time the windows are longer than profiled (the other stage
+    does more work too), and unbounded carrying fills them as they come. Returns the budget (seconds)."""
+    static = [w for w in st.windows if not w.dynamic]
+    room = sum(st.room_s(w) for w in static)
+    first = sum(o.time_s for o in st.ops if o.phase == "optimizer" and o.kind != "C")  # the held update's check
+    if static and not st.cfg.keep_outputs:
+        last = max(st.wpos[w.id] for w in static)
+        first += sum(st.fingerprint_s(o) for o in st.ops if st.strategy[o.id] == "p-dmr" and st.pos[o.id] > last)
+    budget = left = max(0.0, room - first)
+    naive = [o for o in st.ops if st.strategy[o.id] == "naive" and o.phase == "backward"]
+    for o in sorted(naive, key=lambda o: (-st.check_s(o), st.pos[o.id])):
+        if st.check_s(o) <= left or st.cfg.carry == "unbounded":
+            st.window_of[o.id] = CARRY
+            left -= st.check_s(o)
+    return budget
+
+
 # -- plans ---------------------------------------------------------------------------------------------
 def _budget(profile: Profile, cfg: PlannerConfig) -> int:
     b = cfg.memory_budget_bytes if cfg.memory_budget_bytes is not None else profile.memory_budget_bytes
@@ -694,9 +722,10 @@ def _budget(profile: Profile, cfg: PlannerConfig) -> int:
     return int(b)
 
 
-def _finish(st: _State, baseline: str, phases: list[int], cfg: PlannerConfig | None) -> Plan:
+def _finish(st: _State, baseline: str, phases: list[int], cfg: PlannerConfig | None,
+            carry_budget_s: float | None = None) -> Plan:
     p = st.p
-    plan = Plan(baseline=baseline, phases=phases, memory_budget_bytes=st.budget,
+    plan = Plan(baseline=baseline, phases=phases, memory_budget_bytes=st.budget, carry_budget_s=carry_budget_s,
                 profile={"model": p.model, "strategy": p.strategy, "rank": p.rank, "stage": p.stage,
                          "iteration_s": p.iteration_s, "ops": len(p.ops), "windows": len(p.windows),
                          "blocks": list(p.blocks), "moe": st.moe},
@@ -722,6 +751,8 @@ def plan_static(profile: Profile, config: PlannerConfig | None = None) -> Plan:
     phases = parse_phases(cfg.phases)
     if not 0 < cfg.window_fill <= 1:
         raise ConfigError(f"window_fill must be in (0, 1], got {cfg.window_fill}")
+    if cfg.carry not in ("windows", "unbounded"):
+        raise ConfigError(f"carry must be windows or unbounded, got {cfg.carry!r}")
     validate_profile(profile)
     budget = _budget(profile, cfg)
     st = _State(profile, cfg, budget)
@@ -734,7 +765,7 @@ def plan_static(profile: Profile, config: PlannerConfig | None = None) -> Plan:
     for o in st.ops:
         if st.strategy[o.id] is None:
             st.assign(o.id, "dynamic" if o.dynamic and 3 in phases else "naive")
-    plan = _finish(st, "sparetrain", list(phases), cfg)
+    plan = _finish(st, "sparetrain", list(phases), cfg, carry_budget_s=mark_carried(st))
     coverage_report(plan, profile)
     return plan
 
