@@ -222,6 +222,23 @@ def test_dmr_a_fault_in_the_last_micro_batch_backward_is_found_after_the_update_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("occurrence", [300, 560])
+def test_dmr_with_the_windows_carry_budget_a_backward_fault_is_found_once_and_ends_bitwise(
+        tmp_path, clean_pp2, occurrence):
+    """``carry_budget = windows``: of the naive backward ops only those the profiled windows have room for are carried
+    past the update, the rest checked at once (on loopback the room is small and timing-dependent). A bit flip in
+    the step's middle (300) or its last micro-batch (560) is found either way, once: at once (step 2 re-executed) or
+    after the update (steps 2 and 3 re-executed), on both stages alike, and the run ends bitwise equal."""
+    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true", "--sdc.dmr.carry_budget", "windows"]
+    got = run_dist(tmp_path, "budget", 2, f"dmrocc:0:2:backward:{occurrence}", *PP, *dmr)
+    assert got[0]["fired"] and got[0]["dmr"]["detected"] == 1 and not got[1]["dmr"].get("detected")
+    attempts = [[s["attempts"] for s in r["steps"]] for r in got]
+    assert attempts[0] == attempts[1] and attempts[0] in ([2, 1, 2, 1], [2, 1, 1, 1, 2]), attempts
+    assert all(r["dmr_coverage"] == 1.0 for r in got)
+    assert_bitwise(got, clean_pp2)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("occurrence", [250, 280])
 def test_dmr_a_wrong_recompute_in_the_last_micro_batch_is_compared_after_the_update_and_both_steps_re_executed(
         tmp_path, clean_pp2, occurrence):
