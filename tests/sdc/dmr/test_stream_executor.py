@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.sdc.dmr._windowed import equal, params, trainer, windowed
+from tests.sdc.dmr._windowed import clean_params, equal, params, trainer, windowed
 from trainguard.errors import SuspectedHardwareFault
 from trainguard.faults import Fault, FaultModel, Injector, OpSite
 
@@ -197,3 +197,18 @@ def test_window_checkers_run_in_the_idle_scheduling_class_and_the_step_does_not(
     t.train_step()
     assert seen and set(seen) == ({os.SCHED_IDLE} if priority == "idle" else {os.sched_getscheduler(0)})
     assert os.sched_getscheduler(0) != os.SCHED_IDLE
+
+
+@pytest.mark.parametrize("executor", ["thread", "stream"])
+def test_two_backward_faults_in_one_step_under_the_windows_carry_budget_end_bitwise(batches, executor):
+    """``carry_budget = windows`` with a window of 100 ms: the first micro-batch's ops are checked in it, the last
+    micro-batch's either carried (as far as the window's room goes) or checked at once. A bit flip in each, in the
+    same step: found (by whichever check runs first), the step re-executed, no alarm after, bitwise in the end."""
+    t, eng = _windowed(batches, executor, carry_budget="windows")
+    inj = Injector([Fault(OpSite("*", "backward", k, compute_only=True), FaultModel("bitflip", field="exponent"),
+                          step=1) for k in (23, 70)], seed=11).attach(t)
+    results = [t.train_step() for _ in range(4)]
+    assert len(inj.records) == 2 and eng.totals["detected"] >= 1
+    assert eng.plan.carry_budget_s is not None and eng.cfg.carry_budget == "windows"
+    assert results[-1].attempts == 1 and sum(r.attempts for r in results) >= 6  # (step 0: profiled, re-executed)
+    assert equal(params(t), clean_params(batches, steps=4))
