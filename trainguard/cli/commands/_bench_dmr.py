@@ -12,7 +12,7 @@ from pathlib import Path
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.bench import SYSTEMS, merge, run_rank
-from trainguard.sdc.dmr.config import DMRConfig
+from trainguard.sdc.dmr.config import CARRY_MODES, DMRConfig
 from trainguard.train.launch import run_workers, worker_error
 
 
@@ -41,7 +41,7 @@ def register_bench(subparsers) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
     p.add_argument("--memory-budget-mb", type=float, default=0.0,
                    help="memory the deferred checks may hold per rank ([sdc.dmr] memory_budget_mb; 0: its default)")
-    p.add_argument("--carry-budget", choices=("unbounded", "windows"), default=DMRConfig().carry_budget,
+    p.add_argument("--carry-budget", choices=CARRY_MODES, default=DMRConfig().carry_budget,
                    help="naive backward ops carried past the update ([sdc.dmr] carry_budget): unbounded (default: all) "
                         "or windows (as many as the profiled windows have room for)")
     p.add_argument("--host-memory", choices=("retain", "default"), default="retain",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
-from trainguard.sdc.dmr.config import DMRConfig
+from trainguard.sdc.dmr.config import CARRY_MODES, DMRConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -48,7 +48,7 @@ def register_plan(subparsers) -> None:
     p.add_argument("--window-fill", type=float, default=DMRConfig().window_fill,
                    help="share of each communication window to fill with checks (default %(default)s, as [sdc.dmr] "
                         "window_fill; 1: all of it, the paper's)")
-    p.add_argument("--carry", choices=("unbounded", "windows"), default=DMRConfig().carry_budget,
+    p.add_argument("--carry", choices=CARRY_MODES, default=DMRConfig().carry_budget,
                    help="naive backward ops the engine may carry past the update into the next iteration's windows: "
                         "unbounded (default, as [sdc.dmr] carry_budget: all) or windows (as many as the profiled "
                         "windows have room for)")

@@ -11,6 +11,8 @@ from typing import Literal
 from trainguard.errors import ConfigError
 from trainguard.utils.settings import setting
 
+CARRY_MODES = ("unbounded", "windows")  # carry_budget's values (PlannerConfig.carry, plan dmr --carry, bench dmr)
+
 
 @dataclass
 class DMRConfig:

@@ -352,6 +352,7 @@ def summarize(plan: Plan, peak_bytes: int = 0) -> dict[str, Any]:
     peak_def = max((b for _, b in plan.memory_curve), default=peak_bytes)
     static_windows = [w for w in plan.windows if not w.dynamic]
     cov = coverage_report(plan, require_full=False)
+    carried = [o for o in plan.ops.values() if o.strategy == "naive" and o.window == CARRY]
     return {
         "baseline": plan.baseline,
         "phases": list(plan.phases),
@@ -371,8 +372,8 @@ def summarize(plan: Plan, peak_bytes: int = 0) -> dict[str, Any]:
         "pdmr_exceptions": sum(1 for s in plan.pdmr_segments if s.decision.startswith("naive")),
         "agc_segments": len(plan.agc_segments),
         "agc_gain_s": sum(a.gain_s for a in plan.agc_segments),
-        "carry_ops": sum(1 for o in plan.ops.values() if o.strategy == "naive" and o.window == CARRY),
-        "carry_s": sum(o.time_s for o in plan.ops.values() if o.strategy == "naive" and o.window == CARRY),
+        "carry_ops": len(carried),
+        "carry_s": sum(o.time_s for o in carried),
         "carry_budget_s": plan.carry_budget_s,
         "windows": len(plan.windows),
         "windows_used": sum(1 for w in plan.windows if w.used_s > 0),

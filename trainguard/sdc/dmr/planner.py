@@ -44,6 +44,7 @@ from typing import Any, get_args
 import numpy as np
 
 from trainguard.errors import ConfigError, TrainguardError
+from trainguard.sdc.dmr.config import CARRY_MODES
 from trainguard.sdc.dmr.dynamic import best_fit
 from trainguard.sdc.dmr.plan import CARRY, AGCSegment, OpPlan, PDMRSegment, Plan, WindowLoad, coverage_report, summarize
 from trainguard.sdc.dmr.profile import Kind, OpRecord, Phase, Profile, WindowKind
@@ -707,10 +708,15 @@ def mark_carried(st: _State) -> float:
         first += sum(st.fingerprint_s(o) for o in st.ops if st.strategy[o.id] == "p-dmr" and st.pos[o.id] > last)
     budget = left = max(0.0, room - first)
     naive = [o for o in st.ops if st.strategy[o.id] == "naive" and o.phase == "backward"]
-    for o in sorted(naive, key=lambda o: (-st.check_s(o), st.pos[o.id])):
-        if st.check_s(o) <= left or st.cfg.carry == "unbounded":
-            st.window_of[o.id] = CARRY
-            left -= st.check_s(o)
+    if st.cfg.carry == "windows":
+        fits = []
+        for o in sorted(naive, key=lambda o: (-st.check_s(o), st.pos[o.id])):
+            if st.check_s(o) <= left:
+                fits.append(o)
+                left -= st.check_s(o)
+        naive = fits
+    for o in naive:
+        st.window_of[o.id] = CARRY
     return budget
 
 
@@ -751,7 +757,7 @@ def plan_static(profile: Profile, config: PlannerConfig | None = None) -> Plan:
     phases = parse_phases(cfg.phases)
     if not 0 < cfg.window_fill <= 1:
         raise ConfigError(f"window_fill must be in (0, 1], got {cfg.window_fill}")
-    if cfg.carry not in ("windows", "unbounded"):
+    if cfg.carry not in CARRY_MODES:
         raise ConfigError(f"carry must be windows or unbounded, got {cfg.carry!r}")
     validate_profile(profile)
     budget = _budget(profile, cfg)
