@@ -1,5 +1,6 @@
 """``trainguard plan dmr``: --json output, the written plan and figure, and one-line errors for bad input."""
 
+import argparse
 import importlib.util
 import json
 
@@ -116,11 +117,23 @@ def test_model_without_the_profiler_is_refused(capsys):
 @pytest.mark.parametrize("argv, msg", [(["--switch-warmup", "-1"], "--switch-warmup and --system-warmup must be >= 0"),
                                        (["--system-warmup", "-2"], "--switch-warmup and --system-warmup must be >= 0"),
                                        (["--idle-fraction", "0.99"], "--idle-fraction must be in"),
-                                       (["--systems", "fast"], "--systems: unknown fast")])
+                                       (["--systems", "fast"], "--systems: unknown fast"),
+                                       # sizes the trainer refuses: refused before any rank is launched
+                                       (["--microbatches", "3"], "must be divisible by dp*grad_accum*microbatches (3)"),
+                                       (["--microbatches", "1"], "must be >= distributed.pp (2)"),
+                                       (["--seq-len", "0"], "data.seq_len")])
 def test_bench_dmr_bad_input_is_one_line_exit_2(capsys, argv, msg):
     assert main(["bench", "dmr", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and msg in err
+
+
+def test_bench_dmr_reports_the_tokens_each_micro_batch_carries():
+    from trainguard.cli.commands._bench_dmr import tokens_per_microbatch
+    args = lambda **kw: argparse.Namespace(**{"batch": 8, "seq_len": 128, "microbatches": 4, "pp": 2, **kw})
+    assert tokens_per_microbatch(args()) == 256
+    assert tokens_per_microbatch(args(microbatches=2)) == tokens_per_microbatch(args(seq_len=256)) == 512
+    assert tokens_per_microbatch(args(pp=1)) == 1024  # (no pipeline: the whole batch at once)
 
 
 def test_bench_dmr_refuses_an_unknown_carry_budget_in_one_line(capsys):
