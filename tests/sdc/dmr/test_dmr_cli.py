@@ -128,12 +128,17 @@ def test_bench_dmr_bad_input_is_one_line_exit_2(capsys, argv, msg):
     assert len(err.splitlines()) == 1 and msg in err
 
 
-def test_bench_dmr_reports_the_tokens_each_micro_batch_carries():
-    from trainguard.cli.commands._bench_dmr import tokens_per_microbatch
-    args = lambda **kw: argparse.Namespace(**{"batch": 8, "seq_len": 128, "microbatches": 4, "pp": 2, **kw})
-    assert tokens_per_microbatch(args()) == 256
-    assert tokens_per_microbatch(args(microbatches=2)) == tokens_per_microbatch(args(seq_len=256)) == 512
-    assert tokens_per_microbatch(args(pp=1)) == 1024  # (no pipeline: the whole batch at once)
+@pytest.mark.parametrize("argv, micro, tokens", [([], 4, 256), (["--microbatches", "2"], 2, 512),
+                                                 (["--seq-len", "256"], 4, 512),
+                                                 (["--microbatches", "0"], 4, 256),  # (0: the trainer's twice the stages)
+                                                 (["--pp", "1", "--microbatches", "2"], 1, 1024)])  # (no pipeline)
+def test_bench_dmr_reports_the_tokens_each_micro_batch_carries(argv, micro, tokens):
+    from trainguard.cli.commands._bench_dmr import _spec, register_bench, tokens_per_microbatch
+    sub = argparse.ArgumentParser().add_subparsers()
+    register_bench(sub)
+    args = sub.choices["dmr"].parse_args(argv)
+    spec = _spec(args)
+    assert spec["microbatches"] == micro and tokens_per_microbatch(spec, args) == tokens
 
 
 def test_bench_dmr_refuses_an_unknown_carry_budget_in_one_line(capsys):

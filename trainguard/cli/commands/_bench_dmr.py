@@ -26,7 +26,7 @@ def register_bench(subparsers) -> None:
     p.add_argument("--batch", type=int, default=8, help="sequences a step (default 8)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens a sequence (default 128)")
     p.add_argument("--microbatches", type=int, default=4,
-                   help="pipeline micro-batches a step (default 4). The engine's cost is per op, the ops' cost per "
+                   help="pipeline micro-batches a step (default 4; 0: twice the stages). The engine's cost is per op, the ops' cost per "
                         "token: fewer tokens a micro-batch weigh the engine more (docs/dmr.md, tokens per micro-batch)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per round and system (default 2)")
@@ -79,24 +79,26 @@ def _spec(args) -> dict:
                  "--train.host_memory", args.host_memory, "--train.gc", args.gc]
     if args.pp > 1:
         overrides += ["--distributed.pp", str(args.pp), "--distributed.microbatches", str(args.microbatches)]
-    TrainerConfig.load(None, overrides)  # (a bad size is refused here in one line, not by each rank once launched)
-    return {"overrides": overrides, "systems": systems, "idle_fraction": args.idle_fraction, "rounds": args.rounds,
+    cfg = TrainerConfig.load(None, overrides)  # (a bad size is refused here in one line, not by each rank once launched)
+    dist = cfg.distributed
+    return {"overrides": overrides, "microbatches": dist.pipeline_microbatches() if dist.pp > 1 else 1,
+            "systems": systems, "idle_fraction": args.idle_fraction, "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup, "switch_warmup": args.switch_warmup,
             "system_warmup": args.system_warmup,
             "memory_budget_mb": args.memory_budget_mb, "hold_idle": args.hold_idle, "carry_budget": args.carry_budget}
 
 
-def tokens_per_microbatch(args) -> int:
+def tokens_per_microbatch(spec: dict, args) -> int:
     """The tokens each op of a pipeline stage works on (the whole batch's without a pipeline)."""
-    return args.batch * args.seq_len // (args.microbatches if args.pp > 1 else 1)
+    return args.batch * args.seq_len // spec["microbatches"]
 
 
 def run(args) -> int:
     spec = _spec(args)
     out = err_console if args.json else console
     out.print(f"bench dmr: {args.model}, {args.pp} stage(s), batch {args.batch} x {args.seq_len}"
-              + (f" in {args.microbatches} micro-batches" if args.pp > 1 else "")
-              + f" ({tokens_per_microbatch(args)} tokens a micro-batch), "
+              + (f" in {spec['microbatches']} micro-batches" if args.pp > 1 else "")
+              + f" ({tokens_per_microbatch(spec, args)} tokens a micro-batch), "
               f"idle fraction {args.idle_fraction or 'as measured (no emulation)'}; systems {', '.join(spec['systems'])}")
     with tempfile.TemporaryDirectory(prefix="trainguard-bench-dmr-") as tmp:
         spec_path = Path(tmp) / "spec.json"
@@ -110,7 +112,7 @@ def run(args) -> int:
             ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.pp)]
     res = merge(ranks, spec["systems"])
     res.update(model=args.model, pp=args.pp, batch=args.batch, seq_len=args.seq_len,
-               microbatches=args.microbatches if args.pp > 1 else 1, tokens_per_microbatch=tokens_per_microbatch(args),
+               microbatches=spec["microbatches"], tokens_per_microbatch=tokens_per_microbatch(spec, args),
                idle_fraction_target=args.idle_fraction,
                host_memory=args.host_memory, gc=args.gc, carry_budget=args.carry_budget)
     rows = {k: v for k, v in res.items() if not isinstance(v, (dict, list))}
