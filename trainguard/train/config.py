@@ -191,6 +191,10 @@ class DistributedConfig:
     def pipeline_microbatches(self) -> int:
         return self.microbatches or 2 * self.pp
 
+    def step_microbatches(self) -> int:
+        """The micro-batches a batch (per grad-accum round) is split into: the pipeline's, else 1."""
+        return self.pipeline_microbatches() if self.pp > 1 else 1
+
 
 @dataclass
 class OutputConfig:
@@ -231,7 +235,7 @@ class TrainerConfig:
             raise ConfigError(f"distributed.ep ({dist.ep}) needs a MoE model whose n_experts ({mc.n_experts}) it divides")
         if dist.pp > mc.n_layers:
             raise ConfigError(f"distributed.pp ({dist.pp}) exceeds the model's layers ({mc.n_layers})")
-        micro = dist.pipeline_microbatches() if dist.pp > 1 else 1
+        micro = dist.step_microbatches()
         parts = (dist.ep if dist.resolved_strategy() == "expert" else dist.dp) * t.grad_accum * micro
         if d.batch_size % parts:
             raise ConfigError(f"data.batch_size ({d.batch_size}) must be divisible by dp*grad_accum*microbatches ({parts})")

@@ -80,8 +80,7 @@ def _spec(args) -> dict:
     if args.pp > 1:
         overrides += ["--distributed.pp", str(args.pp), "--distributed.microbatches", str(args.microbatches)]
     cfg = TrainerConfig.load(None, overrides)  # (a bad size is refused here in one line, not by each rank once launched)
-    dist = cfg.distributed
-    return {"overrides": overrides, "microbatches": dist.pipeline_microbatches() if dist.pp > 1 else 1,
+    return {"overrides": overrides, "microbatches": cfg.distributed.step_microbatches(),
             "systems": systems, "idle_fraction": args.idle_fraction, "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup, "switch_warmup": args.switch_warmup,
             "system_warmup": args.system_warmup,

@@ -168,7 +168,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = TrainerConfig.load(None, spec["overrides"])
     trainer = Trainer(cfg, progress=False)
     engine = attach(trainer, DMRConfig(enabled=True, system="none", memory_budget_mb=spec.get("memory_budget_mb", 0.0),
-                                       carry_budget=spec.get("carry_budget", "unbounded")))
+                                       carry_budget=spec.get("carry_budget", DMRConfig.carry_budget)))
     systems = spec.get("systems", list(SYSTEMS))
     # warm-up (and calibration of the emulated link) on No-DMR
     _set_system(engine, trainer, "none")
