@@ -43,14 +43,16 @@ def test_json_plan_and_figure(tmp_path, capsys, profile_path):
 
 
 def test_phases_and_budget_flags(capsys, profile_path):
-    crit = []
+    crit, carried = [], []
     for phases in ("1", "1,2", "1,2,3"):
         rc, out, _ = _run(capsys, "--profile", str(profile_path), "--phases", phases, "--out", "", "--figure", "", "--json")
         assert rc == 0
         d = json.loads(out.strip().splitlines()[-1])
         assert d["plan"] is None and d["figure"] is None
         crit.append(d["summary"]["checker_critical_s"])
+        carried.append((d["summary"]["carry_ops"] > 0, d["summary"]["carry_lists"]))
     assert crit[0] >= crit[1] >= crit[2] and crit[0] > crit[2]
+    assert carried == [(False, False), (False, False), (True, True)]  # (carrying is Phase 3's deferral)
     rc, out, _ = _run(capsys, "--profile", str(profile_path), "--memory-budget", "0", "--out", "", "--figure", "", "--json")
     s = json.loads(out.strip().splitlines()[-1])["summary"]
     assert rc == 0 and s["memory_budget_bytes"] == 0 and s["checker_hidden_s"] == 0

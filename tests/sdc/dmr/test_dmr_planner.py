@@ -351,6 +351,21 @@ def _no_window_after_backward() -> Profile:
     return q.profile(budget=10**9, base=0)
 
 
+@pytest.mark.parametrize("phases", [(1,), (1, 2)])
+@pytest.mark.parametrize("carry", ["unbounded", "windows"])
+def test_the_ablation_without_phase_3_carries_nothing_past_the_update(phases, carry):
+    """Carrying defers checks into the next iteration's windows: Phase 3's work. Phase 1 (and 1+2) check the naive
+    backward ops at once, whatever ``carry`` says; the full plan carries them (room for all: 4 s of window)."""
+    profile = _no_window_after_backward()
+    plan = plan_static(profile, PlannerConfig(phases=phases, window_fill=1.0, carry=carry))
+    assert not [k for k, o in plan.ops.items() if o.window == "carry"]
+    assert plan.carry_budget_s == 0 and not plan.carry_lists and plan.summary["carry_ops"] == 0
+    assert not any(plan.may_carry(plan.ops[k]) for k in ("B1", "B2", "B3", "B4"))
+    assert coverage_report(plan, profile).fraction == 1.0
+    full = plan_static(profile, PlannerConfig(phases=(1, 2, 3), window_fill=1.0, carry=carry))
+    assert [k for k, o in full.ops.items() if o.window == "carry"]  # (what the ablation takes away)
+
+
 def test_the_plan_carries_past_the_update_every_naive_backward_op_or_what_the_windows_have_room_for():
     profile = _no_window_after_backward()
     # the default (unbounded): every naive backward op (what the windows do not hold is checked in the next
@@ -376,7 +391,10 @@ def test_the_plan_carries_past_the_update_every_naive_backward_op_or_what_the_wi
     old = plan.to_json()
     del old["carry_budget_s"]
     assert Plan.from_json(old).may_carry(plan.ops["B1"])
-    with pytest.raises(ConfigError, match="carry must be windows or unbounded"):
+    assert every.carry_lists and not plan.carry_lists and again.carry_lists is False
+    del old["carry_lists"]
+    assert Plan.from_json(old).carry_lists  # (a plan from before it: the list ops were carried)
+    with pytest.raises(ConfigError, match="carry must be unbounded or windows, got 'some'"):
         plan_static(profile, PlannerConfig(carry="some"))
     with pytest.raises(ConfigError, match="carry_budget"):
         load_config(None, ["--sdc.dmr.carry_budget", "some"])

@@ -51,7 +51,7 @@ def register_plan(subparsers) -> None:
     p.add_argument("--carry", choices=CARRY_MODES, default=DMRConfig().carry_budget,
                    help="naive backward ops the engine may carry past the update into the next iteration's windows: "
                         "unbounded (default, as [sdc.dmr] carry_budget: all) or windows (as many as the profiled "
-                        "windows have room for)")
+                        "windows have room for); with --phases 1,2,3 only (carrying is deferral)")
     p.add_argument("--out", default="runs/plan-dmr/plan.json", help="plan JSON to write ('' to skip)")
     p.add_argument("--figure", default="runs/plan-dmr/timeline.png", help="timeline figure to write ('' to skip)")
     add_json_flag(p)
@@ -118,6 +118,7 @@ def run(args) -> int:
             "windows used / all": f"{s['windows_used']} / {s['windows']}",
             "carried past the update, at most: ops (op time s)": f"{s['carry_ops']} ({s['carry_s']:.3f})",
             "  room for them in the next iteration's windows (s)": s["carry_budget_s"],
+            "  list ops over every gradient carried too": "yes" if s.get("carry_lists", True) else "no",
             "memory budget (bytes)": s["memory_budget_bytes"], "peak (bytes)": s["peak_bytes"],
             "peak with deferral (bytes)": s["peak_with_deferral_bytes"]}
     show.print(table("trainguard plan dmr", rows))

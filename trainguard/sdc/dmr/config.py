@@ -41,13 +41,13 @@ class DMRConfig:
                                "leaves naive because no window follows them before the update (the last "
                                "micro-batch's on the first stage) are checked in the next iteration's first window "
                                "instead, against the state before the update; a mismatch re-executes both "
-                               "iterations. false: checked at once")
+                               "iterations (phases with 3 only: carrying is deferral). false: checked at once")
     carry_budget: Literal["unbounded", "windows"] = setting(
         "unbounded", help="with carry_last: which of those ops are carried. unbounded: all of them (the windows at run "
         "time take what they can, the rest is checked at the end of the next iteration); windows: only as many as "
         "the profiled windows have room for (the plan's carry_budget_s, largest checks first), the rest checked at "
         "once: less memory held across the update, but a slower step where measured (the windows at run time are "
-        "longer than profiled)")
+        "longer than profiled), and the list ops over every gradient (averaging, clipping) checked at once too")
     swap_gradients: bool = setting(True, help="pipeline / expert-parallel runs: a gradient accumulated or scaled in "
                                    "place (add_, div_, mul_ on p.grad) is computed out of place and p.grad takes the "
                                    "result's storage, so its check is deferred like any other op instead of a copy and "

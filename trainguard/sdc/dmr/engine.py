@@ -1416,15 +1416,16 @@ class DMREngine:
     def _grad_swap(self, func, args, kwargs) -> Any:
         """The out-of-place form of ``func`` if it updates a parameter's gradient in place and may be swapped. A
         list op (``_foreach_div_`` averaging every gradient, clipping's ``_foreach_mul_``) runs after the step's
-        last window: it is swapped only where its check can be carried into the next iteration (``_carrying``),
-        and then only if every tensor of its list is a gradient."""
+        last window: it is swapped only where its check can be carried into the next iteration (``_carrying``) and
+        the plan carries list ops (``Plan.carry_lists``: Phase 3 with an unbounded carry), and then only if every
+        tensor of its list is a gradient."""
         oop = dops.out_of_place(func)
         if oop is None or not args or self._model is None:
             return None
         g = args[0]
         many = isinstance(g, (list, tuple))
         gs = list(g) if many else [g]
-        if many and not (gs and self._carrying()):
+        if many and not (gs and self._carrying() and (self.plan is None or self.plan.carry_lists)):
             return None
         for t in gs:
             if not self._is_grad(t):

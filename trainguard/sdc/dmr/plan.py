@@ -10,7 +10,8 @@ Strategies (``OpPlan.strategy``):
 * ``naive``: the checker runs right after the op, on the critical path; a backward op whose window is
   ``carry`` (:data:`CARRY`) may instead be carried past the update into the next iteration's windows, when the
   engine holds the update (``[sdc.dmr] carry_last``): the plan marks all of them, or as many as those windows
-  have room for (``carry_budget_s``, ``PlannerConfig.carry``);
+  have room for (``carry_budget_s``, ``PlannerConfig.carry``), and only under Phase 3 (carrying defers into
+  windows);
 * ``d-inter`` / ``d-intra``: the checker is deferred into an inter-node (pp, dp) / intra-node (tp, ep) idle
   window (``OpPlan.window``); the op's inputs and outputs are kept alive until then;
 * ``agc``: checked by replaying an activation-gradient-checkpoint segment (``OpPlan.agc``) in the pipeline
@@ -164,6 +165,9 @@ class Plan:
     # ops marked ``window = CARRY``: all of them, or those that fit it); None: a plan made before it, under which the
     # engine may carry every naive backward op
     carry_budget_s: float | None = None
+    # whether the engine may carry the list ops over every gradient (the averaging, clipping: no op entry covers
+    # them) past the update: with Phase 3 and an unbounded carry only (a plan made before this field: yes)
+    carry_lists: bool = True
     format: str = FORMAT
 
     # -- lookups -------------------------------------------------------------------------------------
@@ -375,6 +379,7 @@ def summarize(plan: Plan, peak_bytes: int = 0) -> dict[str, Any]:
         "carry_ops": len(carried),
         "carry_s": sum(o.time_s for o in carried),
         "carry_budget_s": plan.carry_budget_s,
+        "carry_lists": plan.carry_lists,
         "windows": len(plan.windows),
         "windows_used": sum(1 for w in plan.windows if w.used_s > 0),
         "window_time_s": sum(w.duration_s for w in static_windows),
