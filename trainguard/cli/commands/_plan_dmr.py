@@ -118,7 +118,7 @@ def run(args) -> int:
             "windows used / all": f"{s['windows_used']} / {s['windows']}",
             "carried past the update, at most: ops (op time s)": f"{s['carry_ops']} ({s['carry_s']:.3f})",
             "  room for them in the next iteration's windows (s)": s["carry_budget_s"],
-            "  list ops over every gradient carried too": "yes" if s.get("carry_lists", True) else "no",
+            "  list ops over every gradient carried too": "yes" if s["carry_lists"] else "no",
             "memory budget (bytes)": s["memory_budget_bytes"], "peak (bytes)": s["peak_bytes"],
             "peak with deferral (bytes)": s["peak_with_deferral_bytes"]}
     show.print(table("trainguard plan dmr", rows))

@@ -699,12 +699,8 @@ def mark_carried(st: _State) -> float:
     phases planned there) less those two; the largest checks are marked first (the engine's work per carried op is
     the same whatever its size), each while it fits, and the rest are checked at once. That holds less memory
     across the update, but measured slower: at run time the windows are longer than profiled (the other stage
-    does more work too), and unbounded carrying fills them as they come. Carrying is deferral into windows: without
-    Phase 3 nothing is marked and the budget is 0. Returns the budget (seconds)."""
-    if 3 not in parse_phases(st.cfg.phases):
-        # carrying defers checks into windows (the next iteration's): Phase 3's work, so the ablation's Phase 1 and
-        # Phases 1+2 check their naive ops at once, as the paper's do
-        return 0.0
+    does more work too), and unbounded carrying fills them as they come. Carrying is deferral into windows, so only
+    Phase 3 calls it (:func:`plan_static`). Returns the budget (seconds)."""
     static = [w for w in st.windows if not w.dynamic]
     room = sum(st.room_s(w) for w in static)
     first = sum(o.time_s for o in st.ops if o.phase == "optimizer" and o.kind != "C")  # the held update's check
@@ -777,11 +773,13 @@ def plan_static(profile: Profile, config: PlannerConfig | None = None) -> Plan:
     for o in st.ops:
         if st.strategy[o.id] is None:
             st.assign(o.id, "dynamic" if o.dynamic and 3 in phases else "naive")
-    # the list ops over every gradient (averaging, clipping) have no entry of their own (the engine checks them in
-    # pieces, or carries them whole): carried only where everything may be, so that no check the budget does not
-    # count is held across the update
-    plan = _finish(st, "sparetrain", list(phases), cfg, carry_budget_s=mark_carried(st),
-                   carry_lists=3 in phases and cfg.carry == "unbounded")
+    # carrying past the update defers checks into windows (the next iteration's): Phase 3's work, so the ablation's
+    # Phase 1 and Phases 1+2 check their naive ops at once, as the paper's do. The list ops over every gradient
+    # (averaging, clipping) have no entry of their own (the engine checks them in pieces, or carries them whole):
+    # carried only where everything may be, so that no check the budget does not count is held across the update
+    carry = 3 in phases
+    plan = _finish(st, "sparetrain", list(phases), cfg, carry_budget_s=mark_carried(st) if carry else 0.0,
+                   carry_lists=carry and cfg.carry == "unbounded")
     coverage_report(plan, profile)
     return plan
 
