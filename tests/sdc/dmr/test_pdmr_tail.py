@@ -31,6 +31,19 @@ def _recomputed_unchecked_by_pdmr(eng) -> int:
     return sum(1 for row in eng.coverage if row[2] == "recompute" and row[0] != "-")
 
 
+def _spy_mismatches(eng) -> list[tuple[str, str]]:
+    """Every mismatch the engine reports from here on, as (op id, strategy) (the engine clears its own list each
+    attempt)."""
+    found, report = [], eng._mismatch
+
+    def spy(op_id, name, phase, strategy, detail):
+        found.append((op_id, strategy))
+        report(op_id, name, phase, strategy, detail)
+
+    eng._mismatch = spy
+    return found
+
+
 def test_the_recompute_stops_early_and_the_tails_are_checked_where_they_ran(batches, clean):
     t, eng = _planned(batches)
     assert eng.plan.pdmr_early_stop
@@ -70,8 +83,14 @@ def test_the_papers_extra_run_replays_the_whole_segment(batches, clean):
     assert all(k in mms and eng.plan.ops[k].strategy == "p-dmr" for k in last)
     inj = Injector(Fault(OpSite("aten.mm.default", "forward", mms.index(last[0]), compute_only=True),
                          FaultModel("bitflip", field="exponent"), step=1), seed=3).attach(t)
+    found = _spy_mismatches(eng)
     attempts = [t.train_step().attempts for _ in range(2)]
-    assert len(inj.records) == 1 and eng.totals["detected"] >= 1 and attempts == [2, 1]
+    assert len(inj.records) == 1
+    # Found by the P-DMR comparison of that down projection with its recompute: in the step (retried at once), or,
+    # where the fingerprint of its forward output was left for a window that a loaded host did not give it, after
+    # the update (the next step rewinds). Which of the two depends on wall time; the op and the comparison do not.
+    assert (found[:1], attempts) in (([(last[0], "p-dmr")], [2, 1]), ([(last[0], "carried")], [1, 2])), (found,
+                                                                                                           attempts)
     assert eng.counts["p-dmr-checked"] == sum(len(s.ops) for s in eng.plan.pdmr_segments)
     assert _recomputed_unchecked_by_pdmr(eng) == 0
     assert equal(params(t), clean)
