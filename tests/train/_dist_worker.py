@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from tests.sdc.dmr._spy import spy_mismatches
 from trainguard.config import load_config
 from trainguard.faults import Fault, FaultModel, Injector, ModuleSite, OpSite, ProductSite, TensorSite
 from trainguard.sdc.runtime import attach_from_config
@@ -115,10 +116,7 @@ if mode.startswith("dmragc:"):
     trainer.train_step()  # step 0: profiled, planned, re-executed under the plan
     eng = handles["dmr"]
     segments = eng.plan.agc_segments
-    agc.update(segments=len(segments), mismatches=[])
-    found = eng._mismatch  # (every mismatch the engine reports, with the strategy that found it)
-    eng._mismatch = lambda op_id, name, phase, strategy, detail: (agc["mismatches"].append((op_id, strategy)),
-                                                                  found(op_id, name, phase, strategy, detail))
+    agc.update(segments=len(segments), mismatches=spy_mismatches(eng))  # (with the strategy that found each)
     ops = [o for a in segments for o in a.bw_ops if o.startswith("backward:")]
     if trainer.rank == int(agc_rank) and ops:
         agc["op"] = op = ops[0]

@@ -8,6 +8,7 @@ waits for its input), micro-batch 1's have none before the backward."""
 
 import pytest
 
+from tests.sdc.dmr._spy import spy_mismatches
 from tests.sdc.dmr._windowed import equal, params, trainer, windowed
 from trainguard.faults import Fault, FaultModel, Injector, OpSite
 
@@ -29,19 +30,6 @@ def _tail_mms(eng) -> list[tuple[int, str]]:
 def _recomputed_unchecked_by_pdmr(eng) -> int:
     """Compute ops of the recompute that P-DMR did not compare (the coverage report lists only those)."""
     return sum(1 for row in eng.coverage if row[2] == "recompute" and row[0] != "-")
-
-
-def _spy_mismatches(eng) -> list[tuple[str, str]]:
-    """Every mismatch the engine reports from here on, as (op id, strategy) (the engine clears its own list each
-    attempt)."""
-    found, report = [], eng._mismatch
-
-    def spy(op_id, name, phase, strategy, detail):
-        found.append((op_id, strategy))
-        report(op_id, name, phase, strategy, detail)
-
-    eng._mismatch = spy
-    return found
 
 
 def test_the_recompute_stops_early_and_the_tails_are_checked_where_they_ran(batches, clean):
@@ -83,7 +71,7 @@ def test_the_papers_extra_run_replays_the_whole_segment(batches, clean):
     assert all(k in mms and eng.plan.ops[k].strategy == "p-dmr" for k in last)
     inj = Injector(Fault(OpSite("aten.mm.default", "forward", mms.index(last[0]), compute_only=True),
                          FaultModel("bitflip", field="exponent"), step=1), seed=3).attach(t)
-    found = _spy_mismatches(eng)
+    found = spy_mismatches(eng)
     attempts = [t.train_step().attempts for _ in range(2)]
     assert len(inj.records) == 1
     # Found by the P-DMR comparison of that down projection with its recompute: in the step (retried at once), or,
