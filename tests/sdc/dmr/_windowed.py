@@ -40,7 +40,12 @@ def _sleep() -> Callable[[], object]:
 
 def windowed(t: Trainer, executor: str, transfer: Callable[[], Callable[[], object]] = _sleep, **cfg) -> DMREngine:
     """``transfer()`` starts a transfer and returns its wait (by default a 100 ms sleep on the host: room for the
-    checks of the first micro-batch and for the fingerprints the engine takes there first)."""
+    checks of the first micro-batch and for the fingerprints the engine takes there first).
+
+    The worker runs at the main thread's priority unless a test asks otherwise: the suite runs two test processes
+    on two cores, and in the idle class (the default, for ranks sharing a host) the worker would get a core only
+    when the neighbouring test leaves one, so what a 100 ms sleep's window checks would depend on that test."""
+    cfg.setdefault("checker_priority", "normal")
     eng = attach(t, DMRConfig(enabled=True, executor=executor, **cfg))
     eng.deferrable = True
     calls = []
