@@ -89,7 +89,11 @@ def test_two_stages_match_one_process_with_checkpointing_and_accumulation(clean_
         for key, value in rank["state"].items():
             if key.startswith("param/"):
                 name = key[len("param/"):]
-                torch.testing.assert_close(value, ref[name].detach(), rtol=1e-4, atol=1e-5)
+                # (atol 1% of the learning rate: the stages sum micro-batches in another order, and AdamW divides by
+                # the gradient's own scale, so an element whose gradient is near zero moves by a visibly different
+                # share of lr; 1e-5 held on AVX2 hosts, an AVX-512 host moved one element by 1.6e-5. A wrong
+                # gradient or update moves elements by the order of lr)
+                torch.testing.assert_close(value, ref[name].detach(), rtol=1e-4, atol=1e-4)
                 names.add(name)
         assert rank["summary"]["val_loss"] is not None and rank["summary"]["strategy"] == "pipeline"
     assert names == set(ref)  # the stages together hold every parameter exactly once
@@ -192,9 +196,12 @@ def test_dmr_stream_executor_on_two_stages_detects_decides_at_the_verdict_and_en
 def test_dmr_a_fault_in_an_agc_segment_is_found_by_its_replay_and_ends_bitwise(tmp_path, clean_pp2):
     """A bit flip in the first backward op of an AGC segment (Phase 2: the segment is replayed from its boundary
     tensors in a window, its outputs compared with the primary's): the replay finds it, and the run ends bitwise.
-    The plan is made from measured times: an emulated 30 ms link makes every window long enough for the planner to
-    choose AGC segments whatever the machine's load (without it, some runs under load planned none)."""
-    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true", "--distributed.emulate_link_delay_ms", "30"]
+    The plan is made from measured times: an emulated 120 ms link makes every window long enough for the planner to
+    choose AGC segments whatever the machine's load. Without it, some runs under load planned none; with 30 ms, an
+    AVX-512 host planned none in 4 of 6 runs: its fingerprints cost 0.15-0.4 ms each, and Phase 1 charges the
+    window after the first micro-batch's backward with the P-DMR fingerprints (two per op), which took all of the
+    24 ms the planner fills (80%); at 60 ms those plans left 9-12 ms for AGC, at 100 ms 25-28 ms."""
+    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true", "--distributed.emulate_link_delay_ms", "120"]
     got = run_dist(tmp_path, "agc", 2, "dmragc:0:2", *PP, *dmr)
     assert got[0]["agc"]["segments"] >= 1 and got[0]["fired"], got[0]["agc"]
     assert [s for _, s in got[0]["agc"]["mismatches"]] == ["agc"], got[0]["agc"]

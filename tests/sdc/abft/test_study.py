@@ -115,7 +115,9 @@ def test_a_model_pretrained_on_the_corpus_reproduces_table2_near_inf_rows():
     # row turns NaN downstream (Table 2's near-INF row for AS, which a randomly initialised model never shows)
     fresh = run_study("gpt2", trials=6, faults=("near-inf",), progress=False, seq_len=32, products=("scores",),
                       steps_after=0)
-    trained = run_study("gpt2", trials=6, faults=("near-inf",), progress=False, seq_len=32, products=("scores",),
+    # (24 trials: the share of struck scores with 1 <= |x| < 2 is about a third after 300 steps, and which model 300
+    # steps reach depends on the host's kernels; 6 trials drew none on an AVX-512 host, 24 miss with p ~ 1e-4)
+    trained = run_study("gpt2", trials=24, faults=("near-inf",), progress=False, seq_len=32, products=("scores",),
                         steps_after=0, pretrain_steps=300)
     assert fresh.pretrain_steps == 0 and trained.pretrain_steps == 300
     assert fresh.table["near-inf"]["AS"]["AP"] == "-" and fresh.injected_nonfinite["near-inf"]["AS"] == 0.0
