@@ -186,6 +186,17 @@ def _drawn(out: list[torch.Tensor], generator: torch.Generator) -> torch.Tensor:
     return out[int(torch.randint(len(out), (1,), generator=generator))]
 
 
+# injectors inside their step context: the DMR engine sends view ops past every Python dispatch mode while it
+# verifies an attempt (sdc.dmr.ops.views_past_python), except the ops an active injector's op sites count
+_ACTIVE: list[Injector] = []
+
+
+def patterns_counting_views() -> list[str]:
+    """The op patterns of active injectors' op sites that count views too (``compute_only`` off)."""
+    return [f.site.pattern for inj in _ACTIVE for f in inj.faults if isinstance(f.site, OpSite)
+            and not f.site.compute_only]
+
+
 class _OpMode(TorchDispatchMode):
     def __init__(self, injector: Injector):
         super().__init__()
@@ -255,8 +266,12 @@ class Injector:
         """Active around forward + backward + optimizer step of ``step``."""
         self.step, self._counts, self._fired_attempt = step, {}, set()
         self._fire_tensor_sites("param")
-        with _OpMode(self):
-            yield
+        _ACTIVE.append(self)
+        try:
+            with _OpMode(self):
+                yield
+        finally:
+            _ACTIVE.remove(self)
         self.step = None
 
     def checkpoint_context_fn(self):

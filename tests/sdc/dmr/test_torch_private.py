@@ -55,3 +55,15 @@ def test_a_mode_without_the_wrapper_still_sees_and_runs_every_op():
         y = (x * 2).sum()
     assert float(y) == 30.0
     assert "aten.mul.Tensor" in seen and "aten.sum.default" in seen
+
+
+def test_a_library_still_removes_its_registrations_when_destroyed():
+    """``ops.views_past_python`` registers fallthrough kernels at the ``Python`` key in a ``torch.library.Library``
+    and removes them with its private ``_destroy`` (torch 2.13) when the attempt ends."""
+    name = "aten::transpose.int"
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Python")
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl(torch.ops.aten.transpose.int, torch.library.fallthrough_kernel, "Python")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "Python")
+    lib._destroy()
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Python")

@@ -66,6 +66,12 @@ class DMRConfig:
         "idle", help="the thread executor's worker: idle (Linux's SCHED_IDLE class: it only gets a core nothing else "
         "wants, so the checkers never slow a rank's critical path where ranks share a host's cores) or normal (the "
         "main thread's priority)")
+    views_past_python: bool = setting(True, help="while a verified attempt runs, the view ops the engine has seen "
+                                      "(view, t, transpose, expand ...: no arithmetic, nothing to check) go past "
+                                      "Python dispatch modes in C++ instead of through the engine's mode, which "
+                                      "returns them unchanged (about 3,200 ops a step per llama-60m stage). Turned "
+                                      "off automatically for models with tensor-subclass parameters (DTensor). "
+                                      "false: every view goes through the mode")
     window_fill: float = setting(0.8, help="share of each communication window the planner fills with checks (the "
                                  "rest absorbs checkers that run slower than profiled, e.g. beside another rank's "
                                  "compute; what does not fit goes to another window, or is carried or checked at once)")

@@ -64,7 +64,7 @@ from torch.utils._pytree import tree_map
 
 from trainguard.errors import SuspectedHardwareFault
 from trainguard.faults.injector import _CHECKER as _INJECTOR_FLAG  # the flag checker_execution() sets
-from trainguard.faults.injector import checker_execution, injecting
+from trainguard.faults.injector import checker_execution, injecting, patterns_counting_views
 from trainguard.models.moe import in_routed_region
 from trainguard.sdc.dmr import ops as dops
 from trainguard.sdc.dmr.agc import StaleInput, Tape
@@ -244,6 +244,7 @@ class DMREngine:
         self._lock = threading.Lock()
         self.step = 0
         self._param_storages: set[int] = set()
+        self._plain_tensors = True  # the model's parameters are plain tensors (see attach)
         self._param_shapes: set[tuple] = set()
         self._ws: dict[tuple, torch.Tensor] = {}  # update-stage workspaces, reused every step
         self.deferrable = False
@@ -315,6 +316,8 @@ class DMREngine:
         trainer.step_contexts.append(self.step_context)  # after the injector's (it inserts itself first)
         self._handles.append(trainer.strategy.add_window_hook(self.window))
         self.deferrable = trainer.strategy.name in ("pipeline", "expert")  # strategies with idle windows
+        # views past the mode need plain tensors: a tensor subclass's own __torch_dispatch__ (DTensor) must see them
+        self._plain_tensors = not any(dops.dispatches_in_python(p) for p in model.parameters())
         self._handles.append(trainer.add_guard(DMRGuard(self)))
         trainer.metric_sources.append(self.metrics)
         self._handles.append(trainer.add_state_hook(self._state_event))
@@ -430,7 +433,12 @@ class DMREngine:
         if not self.active:
             yield
             return
-        with _DMRMode(self):
+        # views skip the mode (see ops.views_past_python) where the engine would return them unchanged: not while it
+        # profiles (a view's backward node names the op it views) or keeps a coverage report (which lists them), and
+        # not the views a fault injector's op sites count
+        past = self.cfg.views_past_python and self._plain_tensors and not self._profiling and not self.cfg.coverage
+        views = dops.views_past_python(patterns_counting_views()) if past else contextlib.nullcontext()
+        with _DMRMode(self), views:
             yield
         self.drain()
 
