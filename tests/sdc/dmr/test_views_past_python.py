@@ -83,8 +83,7 @@ def _run(batches, steps: int, plan=None, plain_tensors: bool = True, **cfg):
     dispatch = eng.dispatch
 
     def spy(func, args, kwargs):
-        inf = dops.info(func)
-        tracked.append(inf.tracks_base and inf.plain_view)
+        tracked.append(dops.info(func).skips_python)
         return dispatch(func, args, kwargs)
 
     eng.dispatch = spy

@@ -49,6 +49,11 @@ class OpInfo:
     plain_view: bool = False
     tracks_base: bool = False
 
+    @property
+    def skips_python(self) -> bool:
+        """A view the engine returns unchanged, which :func:`views_past_python` may send past Python modes."""
+        return self.plain_view and self.tracks_base
+
 
 # by the overload's id: an ``OpOverload`` hashes in Python (``__hash__`` is a method of its class), which every
 # dispatched op paid for each lookup keyed by the op itself. ``_KEPT`` keeps each overload alive, so an id found
@@ -81,8 +86,8 @@ def info(func) -> OpInfo:
 
 @contextlib.contextmanager
 def views_past_python(keep: Iterable[str] = ()) -> Iterator[int]:
-    """While in this context, the view ops seen so far whose outputs autograd tracks (:attr:`OpInfo.tracks_base`,
-    nothing written) skip every Python dispatch mode: a fallthrough kernel at the dispatcher's ``Python`` key
+    """While in this context, the view ops seen so far whose outputs autograd tracks (:attr:`OpInfo.skips_python`:
+    nothing written, ``_base`` set) skip every Python dispatch mode: a fallthrough kernel at the dispatcher's ``Python`` key
     sends them straight to their kernels in C++. The DMR engine returns them unchanged (nothing to check, record or
     settle), and taking them through Python cost about 20 us each (19 us a mode's floor, measured with torch's
     profiler; about 3,200 of them a step per ``llama-60m`` pipeline stage). Yields how many ops go past.
@@ -95,7 +100,7 @@ def views_past_python(keep: Iterable[str] = ()) -> Iterator[int]:
     ``fallthrough_kernel`` (public) and on ``Library._destroy`` (private, torch 2.13:
     ``tests/sdc/dmr/test_torch_private.py`` fails if it moves)."""
     keep = list(keep)
-    ops = [f for f in _KEPT if f.namespace == "aten" and _INFO_BY_ID[id(f)].tracks_base and _INFO_BY_ID[id(f)].plain_view
+    ops = [f for f in _KEPT if f.namespace == "aten" and _INFO_BY_ID[id(f)].skips_python
            and not torch._C._dispatch_has_kernel_for_dispatch_key(f.name(), "Python")
            and not any(fnmatch.fnmatchcase(str(f), k) for k in keep)]
     if not ops:
