@@ -3,6 +3,7 @@ same loss curve as one process with activation checkpointing and gradient accumu
 bitwise equal to clean runs, bitwise resume from DCP checkpoints, ABFT corrects a NaN on a later stage.
 DDP retries are checked here too (same worker)."""
 
+import atexit
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fork_launch import ForkLauncher
 
 from trainguard.config import load_config
 from trainguard.errors import ConfigError
@@ -46,13 +48,37 @@ def test_impossible_pipeline_combinations_are_refused_at_config_time():
         load_config(None, BASE + ["--distributed.pp", "2", "--distributed.microbatches", "3"])
 
 
+_launcher: ForkLauncher | None = None
+
+
 def run_dist(tmp_path: Path, name: str, nproc: int, mode: str, *extra: str) -> list[dict]:
+    """Run ``_dist_worker.py`` as ``nproc`` ranks (forked from one interpreter that has imported torch: see
+    ``_fork_launch.py``; through ``torchrun`` with ``TRAINGUARD_TEST_TORCHRUN=1``); each rank's saved result."""
+    global _launcher
     out = tmp_path / name
     out.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("LOCAL_RANK", None)
+    args = [str(out), mode, *BASE, *extra]
+    if os.environ.get("TRAINGUARD_TEST_TORCHRUN") == "1":
+        _torchrun(tmp_path, name, nproc, args, env)
+    else:
+        if _launcher is None:
+            _launcher = ForkLauncher(env)
+            atexit.register(_launcher.close)
+        try:
+            rcs, logs = _launcher.run(WORKER, args, nproc, tmp_path, out, timeout=300)
+        except TimeoutError:
+            pytest.fail(f"{name}: distributed run hung (killed after 300 s)")
+        failed = [r for r, rc in enumerate(rcs) if rc != 0]
+        assert not failed, f"{name}: exit codes {rcs}\n" + "\n".join(
+            f"--- rank {r} ---\n{logs[r].read_text()[-3000:]}" for r in failed)
+    return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
+
+
+def _torchrun(tmp_path: Path, name: str, nproc: int, args: list[str], env: dict[str, str]) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
-           str(out), mode, *BASE, *extra]
+           *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, cwd=tmp_path)
     try:
@@ -62,7 +88,6 @@ def run_dist(tmp_path: Path, name: str, nproc: int, mode: str, *extra: str) -> l
         proc.communicate()
         pytest.fail(f"{name}: distributed run hung (killed after 300 s)")
     assert proc.returncode == 0, err[-4000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
 
 
 def assert_bitwise(a: list[dict], b: list[dict]) -> None:
