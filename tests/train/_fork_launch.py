@@ -96,45 +96,30 @@ def serve() -> None:
         print(json.dumps({"rcs": [rcs[r] for r in range(job["nproc"])]}), flush=True)
 
 
-class ForkLauncher:
-    """The client: one server process per test process, started on first use."""
+class JsonLineServer:
+    """A server process spoken to in JSON lines (this module's fork server; test_preemption's zygote): started in
+    its own session, so that closing it kills whatever it forked too."""
 
-    def __init__(self, env: dict[str, str]):
-        self._err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, text=True, env=env, start_new_session=True)
-        if not self._read(300).get("ready"):
-            raise RuntimeError("the fork server did not start")
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path | None = None, start_timeout: float = 300):
+        self._err = tempfile.TemporaryFile(mode="w+")  # (not a pipe: nobody reads it until it dies)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
+                                     env=env, cwd=cwd, start_new_session=True)
+        if not self.read(start_timeout).get("ready"):
+            raise RuntimeError("the server did not start")
 
-    def _read(self, timeout: float) -> dict:
+    def send(self, message: dict) -> None:
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+
+    def read(self, timeout: float) -> dict:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         if not ready:
-            raise TimeoutError
+            raise TimeoutError("the server did not answer in time")
         line = self.proc.stdout.readline()
         if not line:
             self._err.seek(0)
-            raise RuntimeError(f"the fork server died: {self._err.read()[-2000:]}")
+            raise RuntimeError(f"the server died: {self._err.read()[-2000:]}")
         return json.loads(line)
-
-    def run(self, script: Path, args: list[str], nproc: int, cwd: Path, logdir: Path,
-            timeout: float) -> tuple[list[int], list[Path]]:
-        """Run ``script args`` as ``nproc`` ranks in ``cwd``; returns (exit codes by rank, their output's files, in
-        ``logdir``). A run still going after ``timeout`` seconds has its ranks killed and raises TimeoutError."""
-        logs = [Path(logdir) / f"rank{r}.log" for r in range(nproc)]
-        job = {"script": str(script), "args": args, "nproc": nproc, "cwd": str(cwd), "logs": [str(p) for p in logs]}
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        pids = self._read(60)["pids"]
-        try:
-            return self._read(timeout)["rcs"], logs
-        except TimeoutError:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            self._read(60)
-            raise
 
     def close(self) -> None:
         try:
@@ -143,6 +128,32 @@ class ForkLauncher:
             pass
         self.proc.wait(timeout=30)
         self._err.close()
+
+
+class ForkLauncher(JsonLineServer):
+    """The client of this module's fork server: one per test process, started on first use."""
+
+    def __init__(self, env: dict[str, str]):
+        super().__init__([sys.executable, __file__], env)
+
+    def run(self, script: Path, args: list[str], nproc: int, cwd: Path, logdir: Path,
+            timeout: float) -> tuple[list[int], list[Path]]:
+        """Run ``script args`` as ``nproc`` ranks in ``cwd``; returns (exit codes by rank, their output's files, in
+        ``logdir``). A run still going after ``timeout`` seconds has its ranks killed and raises TimeoutError."""
+        logs = [Path(logdir) / f"rank{r}.log" for r in range(nproc)]
+        job = {"script": str(script), "args": args, "nproc": nproc, "cwd": str(cwd), "logs": [str(p) for p in logs]}
+        self.send(job)
+        pids = self.read(60)["pids"]
+        try:
+            return self.read(timeout)["rcs"], logs
+        except TimeoutError:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.read(60)
+            raise
 
 
 if __name__ == "__main__":

@@ -5,9 +5,7 @@ checkpoint from which a resumed run ends bitwise equal to an uninterrupted one."
 import json
 import os
 import random
-import select
 import signal
-import subprocess
 import sys
 import textwrap
 import threading
@@ -16,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fork_launch import JsonLineServer
 from conftest import tiny_cfg
 
 from trainguard.config import load_config
@@ -135,26 +134,13 @@ ARGS = ["--model.dim", "32", "--model.n_heads", "2", "--model.ffn_hidden", "64",
         "--checkpoint.every", "2", "--checkpoint.keep", "2", "--output.progress", "false"]
 
 
-class Zygote:
+class Zygote(JsonLineServer):
     def __init__(self, cwd: Path):
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True)
-        assert self.read(240).get("ready"), self.proc.stderr.read()
-
-    def read(self, timeout: float) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError("the zygote did not answer in time")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the zygote died: {self.proc.stderr.read()[-2000:]}")
-        return json.loads(line)
+        super().__init__([sys.executable, "-c", ZYGOTE], {**os.environ, "OMP_NUM_THREADS": "1"}, cwd, start_timeout=240)
 
     def run(self, argv: list[str], log: Path, kill: dict | None = None, after: float | None = None,
             sig: int = signal.SIGKILL) -> int:
-        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log), "kill": kill}) + "\n")
-        self.proc.stdin.flush()
+        self.send({"argv": argv, "log": str(log), "kill": kill})
         pid = self.read(60)["pid"]
         if after is not None:
             time.sleep(after)
@@ -165,13 +151,6 @@ class Zygote:
         done = self.read(120)
         assert done["pid"] == pid
         return done["rc"]
-
-    def close(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=30)
 
 
 def _train_args(ck: Path, out: Path, *extra: str) -> list[str]:
