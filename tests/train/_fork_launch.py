@@ -19,13 +19,17 @@ Relies on the standard library only (os.fork, runpy, select).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import runpy
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 PREIMPORT = ("torch", "torch.distributed.pipelining", "torch.distributed.checkpoint", "trainguard.train",
@@ -33,8 +37,6 @@ PREIMPORT = ("torch", "torch.distributed.pipelining", "torch.distributed.checkpo
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -42,9 +44,6 @@ def _free_port() -> int:
 
 def _rank(job: dict, rank: int, port: int) -> None:
     """In a forked child: become rank ``rank`` of the job, run its script as ``__main__``, exit. Never returns."""
-    import runpy
-    import traceback
-
     rc = 1
     try:
         fd = os.open(job["logs"][rank], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -68,8 +67,6 @@ def _rank(job: dict, rank: int, port: int) -> None:
 
 
 def serve() -> None:
-    import importlib
-
     for name in PREIMPORT:  # (imports only: a thread pool or a process group made here would be forked half-alive)
         importlib.import_module(name)
     print(json.dumps({"ready": True}), flush=True)
