@@ -64,7 +64,7 @@ from torch.utils._pytree import tree_map
 
 from trainguard.errors import SuspectedHardwareFault
 from trainguard.faults.injector import _CHECKER as _INJECTOR_FLAG  # the flag checker_execution() sets
-from trainguard.faults.injector import checker_execution, injecting, patterns_counting_views
+from trainguard.faults.injector import _INJECTING, checker_execution, patterns_counting_views  # (injecting()'s flag)
 from trainguard.models.moe import in_routed_region
 from trainguard.sdc.dmr import ops as dops
 from trainguard.sdc.dmr.agc import StaleInput, Tape
@@ -112,7 +112,7 @@ class _Segment:
     call: int = -1  # the attempt's n-th execution of a checkpointed module (profiles: ``ac_call``)
 
 
-@dataclass
+@dataclass(slots=True)
 class Deferred:
     """A checker waiting for an idle window: the op, its retained inputs, the primary's fingerprint."""
 
@@ -152,8 +152,12 @@ class _Later:
 
     def __init__(self, value: Any, ts: list[torch.Tensor]):
         self.value = value
-        self.versions = [t._version for t in ts]
-        self.nbytes = dops.bytes_of(ts)
+        self.versions = versions = []
+        n = 0
+        for t in ts:  # (versions and bytes in one pass: made for nearly every output of a step)
+            versions.append(t._version)
+            n += t.nbytes
+        self.nbytes = n
         self.fp: dops.Fingerprint | None = None
 
 
@@ -448,7 +452,7 @@ class DMREngine:
             return "setup"
         if self._optimizer_phase or self.update_stage:  # clipping, optimizer and schedule: the update stage
             return "optimizer"
-        if self._segments_recomputing():
+        if self._segments and self._segments[-1][1] == "recompute":  # (_segments_recomputing, without a call)
             return "recompute"
         if torch._C._current_graph_task_id() != -1:
             return "backward"
@@ -470,7 +474,10 @@ class DMREngine:
         return ".".join(parts[:2]) if len(parts) >= 2 and parts[0] == "layers" else ""
 
     def _next_id(self, phase: str, dynamic: bool) -> str:
-        return self._numbered(f"{phase}:dyn" if dynamic else phase)
+        key = f"{phase}:dyn" if dynamic else phase  # (_numbered's body: nearly every compute op asks)
+        n = self._ids[key]
+        self._ids[key] = n + 1
+        return f"{key}:{n}"
 
     def _numbered(self, key: str) -> str:
         n = self._ids[key]
@@ -553,7 +560,7 @@ class DMREngine:
 
     # ---- execution -------------------------------------------------------------------------------
     def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
-        if _CHECKING.active or injecting():
+        if _CHECKING.active or _INJECTING.active:  # (injecting(), read directly: every dispatched op asks)
             # a checker execution (drain runs inside the mode), or a fault injector writing its fault from a
             # hook (its reads and writes are the fault, not ops of the step): run as is
             return func(*args, **kwargs)
@@ -564,8 +571,11 @@ class DMREngine:
             self.counts["view"] += 1
             out = func(*args, **kwargs)
             if self.deferrable and not inf.tracks_base:
-                for t in dops.tensors(out):
-                    self._produced[id(t)] = weakref.ref(t)
+                if type(out) is torch.Tensor:
+                    self._produced[id(out)] = weakref.ref(out)
+                else:
+                    for t in dops.tensors(out):
+                        self._produced[id(t)] = weakref.ref(t)
             return out
         # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
         # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
@@ -582,8 +592,11 @@ class DMREngine:
         finally:
             _INJECTOR_FLAG.active = before
         if self.deferrable:
-            for t in dops.tensors(out):
-                self._produced[id(t)] = weakref.ref(t)
+            if type(out) is torch.Tensor:  # (the common case, without the walk)
+                self._produced[id(out)] = weakref.ref(out)
+            else:
+                for t in dops.tensors(out):
+                    self._produced[id(t)] = weakref.ref(t)
         return out
 
     def _dispatch(self, func, args: tuple, kwargs: dict, swap, inf: dops.OpInfo) -> Any:
@@ -593,7 +606,7 @@ class DMREngine:
             if self.cfg.coverage:
                 self.coverage.append(("-", inf.name, self.phase(), inf.kind, None))
             self.counts[inf.kind] += 1
-            out = _primary(func, args, kwargs)
+            out = _primary(func, args, kwargs, inf)
             if inf.kind == "view" and self._profiling:  # a view's backward node differentiates the op it views
                 phase = self.phase()
                 self._own(phase, self._last_op, False)
@@ -623,8 +636,9 @@ class DMREngine:
             if self._profiling:
                 return self._record(func, args, kwargs, "F", phase, op_id, dynamic, recompute_of=twin[0] if twin else None)
             if twin is not None and twin[2] is not None:  # the forward op's P-DMR checker execution
-                out = self._pdmr_check(twin, func, args, kwargs)
-                self._tape_alias(op_id, twin[0], out)
+                out = self._pdmr_check(twin, func, args, kwargs, inf)
+                if self._agc_of:
+                    self._tape_alias(op_id, twin[0], out)
                 return out
         else:
             op_id = self._unowned_backward_id(node, name, dynamic) if phase == "backward" and owner is None else \
@@ -658,8 +672,9 @@ class DMREngine:
             self._settle_written(func, args, kwargs)  # (not swapped after all: it writes in place)
             swap = None
         if strategy == "p-dmr":
-            out = _primary(func, args, kwargs)
-            routing = _routing_copy(out)
+            out = _primary(func, args, kwargs, inf)
+            # (a float tensor holds no routing decision: most outputs, known without the call)
+            routing = None if type(out) is torch.Tensor and out.is_floating_point() else _routing_copy(out)
             seg.records.append((op_id, name, self._fp(out) if routing is not None else self._fp_later(out), routing))
         else:
             if in_segment:
@@ -668,7 +683,7 @@ class DMREngine:
             if strategy == "optimizer":
                 return self._verified_optimizer(op_id, phase, func, args, kwargs)
             if strategy == "agc":
-                out = _primary(func, args, kwargs)  # checked by its segment's replay
+                out = _primary(func, args, kwargs, inf)  # checked by its segment's replay
             elif strategy in ("d-inter", "d-intra", "dynamic"):
                 out = self._defer(op_id, phase, strategy, window, func, args, kwargs, ins, swap, inf)
             else:
@@ -683,11 +698,13 @@ class DMREngine:
         if const:
             for t in dops.tensors(out):
                 self._const[id(t)] = weakref.ref(t)
-        if phase == "recompute" and op_id.startswith("recompute:"):
-            self._tape_alias(op_id, op_id[len("recompute:"):], out)
-        else:
-            self._tape_record(op_id, func, args, kwargs, out, taped)
-        self._own(phase, op_id, dynamic)
+        if self._agc_of:  # (both return at once for an op no AGC segment tapes)
+            if phase == "recompute" and op_id.startswith("recompute:"):
+                self._tape_alias(op_id, op_id[len("recompute:"):], out)
+            else:
+                self._tape_record(op_id, func, args, kwargs, out, taped)
+        if phase == "forward" or phase == "recompute":  # (the only phases _own maps)
+            self._own(phase, op_id, dynamic)
         return out
 
     # ---- AGC segments (replayed from their boundary tensors, agc.py) ------------------------------
@@ -773,11 +790,11 @@ class DMREngine:
                 return False
         return True
 
-    def _pdmr_check(self, twin, func, args, kwargs) -> Any:
-        out = _primary(func, args, kwargs)  # the recompute: the checker execution of its forward twin
+    def _pdmr_check(self, twin, func, args, kwargs, inf: dops.OpInfo) -> Any:
+        out = _primary(func, args, kwargs, inf)  # the recompute: the checker execution of its forward twin
         self.counts["p-dmr-checked"] += 1
         op_id, name, expect = twin[:3]
-        if name != dops.info(func).name:
+        if name != inf.name:
             self._mismatch(op_id, name, "forward", "p-dmr", f"recompute ran {func} where the forward ran {name}")
         elif (kept := twin[3] if len(twin) > 3 else None) is None and self._lazy_ok():
             # compared later, off the main thread (a window's worker or the drain), like the deferred checks
@@ -891,7 +908,7 @@ class DMREngine:
         other half is the deferred checks'): the checksums then run on the worker thread in the next window."""
         if not self._lazy_ok():
             return self._fp(value)
-        ts = dops.tensors(value)
+        ts = [value] if type(value) is torch.Tensor else dops.tensors(value)
         lz = _Later(value, ts)
         if self.budget_bytes and self.later_bytes + lz.nbytes > self.budget_bytes // 2:
             return self._fp(value)
@@ -1337,7 +1354,7 @@ class DMREngine:
     # ---- deferred checks (D-DMR, AGC, dynamic) -----------------------------------------------------
     def _defer(self, op_id, phase, strategy, window, func, args, kwargs, ins=None, swap=None, inf=None) -> Any:
         inf = inf if inf is not None else dops.info(func)
-        if dops.random_call(inf, args, kwargs) or (inf.written and dops.written_args(func, args, kwargs)):
+        if (inf.random and dops.random_call(inf, args, kwargs)) or (inf.written and dops.written_args(func, args, kwargs)):
             if swap is not None:
                 return self._swapped(op_id, phase, strategy, window, swap, args, kwargs)
             # in-place and random ops are checked at once (their inputs or generator change right after)
@@ -1350,6 +1367,7 @@ class DMREngine:
         # (only the optimizer changes them, after every check has run). One pass over the inputs, each
         # storage looked up once: this runs for every deferred op on the main thread.
         kept_ins: list[torch.Tensor] = []
+        versions: list[int] = []
         by_ref: list[tuple[int, torch.Tensor]] = []  # (storage, tensor) kept by reference
         clones: dict[int, torch.Tensor] | None = None
         nbytes = 0
@@ -1366,14 +1384,14 @@ class DMREngine:
                     t = c
                 nbytes += t.nbytes
             kept_ins.append(t)
+            versions.append(t._version)
         kept = (args, kwargs) if clones is None else dops.map_tensors(lambda v: clones.get(id(v), v), (args, kwargs))
-        versions = [t._version for t in kept_ins]
         held = {"args": kept, "ins": kept_ins, "versions": versions}
         if strategy != "dynamic" and not self._fits(nbytes):
             self.counts["naive-fallback"] += 1
             return self._naive(op_id, phase, func, args, kwargs)
         t0 = time.perf_counter()
-        out = _primary(func, args, kwargs)
+        out = _primary(func, args, kwargs, inf)
         est = time.perf_counter() - t0
         if self._sync is not None and self.plan is not None and (planned := self.plan.ops.get(op_id)) is not None:
             est = planned.time_s  # (on a device the host time is the launch's; the profile's is the kernel's)
@@ -1856,15 +1874,16 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
                                                                t.stride())
 
 
-def _primary(func, args, kwargs):
-    """The op's primary execution: an op of the step as far as the fault injector is concerned."""
+def _primary(func, args, kwargs, inf: dops.OpInfo | None = None):
+    """The op's primary execution: an op of the step as far as the fault injector is concerned. ``inf``: the op's
+    :func:`~trainguard.sdc.dmr.ops.info`, where the caller has it."""
     before = _INJECTOR_FLAG.active
     _INJECTOR_FLAG.active = False
     try:
         out = func(*args, **kwargs)
     finally:
         _INJECTOR_FLAG.active = before
-    if dops.info(func).unset:
+    if (inf if inf is not None else dops.info(func)).unset:
         with checker_execution():  # (zeroing what the kernel left unset is the engine's work, not an op of the step)
             dops.clear_unset(func, args, kwargs, out)
     return out
