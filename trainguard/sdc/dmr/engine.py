@@ -452,7 +452,7 @@ class DMREngine:
             return "setup"
         if self._optimizer_phase or self.update_stage:  # clipping, optimizer and schedule: the update stage
             return "optimizer"
-        if self._segments and self._segments[-1][1] == "recompute":  # (_segments_recomputing, without a call)
+        if self._segments_recomputing():
             return "recompute"
         if torch._C._current_graph_task_id() != -1:
             return "backward"
@@ -474,10 +474,7 @@ class DMREngine:
         return ".".join(parts[:2]) if len(parts) >= 2 and parts[0] == "layers" else ""
 
     def _next_id(self, phase: str, dynamic: bool) -> str:
-        key = f"{phase}:dyn" if dynamic else phase  # (_numbered's body: nearly every compute op asks)
-        n = self._ids[key]
-        self._ids[key] = n + 1
-        return f"{key}:{n}"
+        return self._numbered(f"{phase}:dyn" if dynamic else phase)
 
     def _numbered(self, key: str) -> str:
         n = self._ids[key]
@@ -571,11 +568,7 @@ class DMREngine:
             self.counts["view"] += 1
             out = func(*args, **kwargs)
             if self.deferrable and not inf.tracks_base:
-                if type(out) is torch.Tensor:
-                    self._produced[id(out)] = weakref.ref(out)
-                else:
-                    for t in dops.tensors(out):
-                        self._produced[id(t)] = weakref.ref(t)
+                self._mark_produced(out)
             return out
         # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
         # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
@@ -592,12 +585,16 @@ class DMREngine:
         finally:
             _INJECTOR_FLAG.active = before
         if self.deferrable:
-            if type(out) is torch.Tensor:  # (the common case, without the walk)
-                self._produced[id(out)] = weakref.ref(out)
-            else:
-                for t in dops.tensors(out):
-                    self._produced[id(t)] = weakref.ref(t)
+            self._mark_produced(out)
         return out
+
+    def _mark_produced(self, out: Any) -> None:
+        """Record ``out``'s tensors as computed in this attempt (see :meth:`_produced_here`)."""
+        if type(out) is torch.Tensor:  # (the common case, without the walk)
+            self._produced[id(out)] = weakref.ref(out)
+        else:
+            for t in dops.tensors(out):
+                self._produced[id(t)] = weakref.ref(t)
 
     def _dispatch(self, func, args: tuple, kwargs: dict, swap, inf: dops.OpInfo) -> Any:
         if inf.kind != "compute":
