@@ -152,12 +152,8 @@ class _Later:
 
     def __init__(self, value: Any, ts: list[torch.Tensor]):
         self.value = value
-        self.versions = versions = []
-        n = 0
-        for t in ts:  # (versions and bytes in one pass: made for nearly every output of a step)
-            versions.append(t._version)
-            n += t.nbytes
-        self.nbytes = n
+        self.versions = [t._version for t in ts]
+        self.nbytes = dops.bytes_of(ts)
         self.fp: dops.Fingerprint | None = None
 
 
