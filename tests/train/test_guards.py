@@ -12,6 +12,7 @@ from trainguard.errors import StepAborted, SuspectedHardwareFault
 from trainguard.faults import Fault, FaultModel, Injector, OpSite, TensorSite
 from trainguard.train import StepGuard, Trainer, Verdict
 from trainguard.train import snapshot as snap_mod
+from trainguard.train.guards import Action, worst
 
 
 def _equal(a, b):
@@ -188,3 +189,40 @@ def test_state_dict_round_trip_continues_bitwise(batches):
         a.train_step()
         b.train_step()
     assert b.step_idx == 6 and _equal(a.state_dict_for_compare(), b.state_dict_for_compare())
+
+
+def test_planned_re_executions_count_neither_against_the_limit_nor_as_a_persistent_fault(batches):
+    """A guard's planned re-executions (DMR profiles the first step several times) at one site, past
+    train.max_retries: the step commits; a failure among them still counts."""
+    class Planned(StepGuard):
+        name = "planned"
+
+        def __init__(self, planned: int, fail_at: int | None = None):
+            self.k, self.planned, self.fail_at = 0, planned, fail_at
+
+        def before_update(self, ctx):
+            self.k += 1
+            if self.k == self.fail_at:
+                return Verdict.retry(site="flip", reason="a real mismatch")
+            if self.k <= self.planned:
+                return Verdict.retry(site="profile", reason="profiled", planned=True)
+            return Verdict.commit()
+
+    t = Trainer(tiny_cfg("--train.max_retries", "0"), batches=batches)
+    t.add_guard(Planned(3))
+    assert t.train_step().attempts == 4  # three planned re-executions at one site, with no retry allowed
+    t = Trainer(tiny_cfg("--train.max_retries", "0"), batches=batches)
+    t.add_guard(Planned(3, fail_at=2))
+    with pytest.raises(StepAborted, match="still failing after 0 re-executions"):
+        t.train_step()  # the failure is not hidden among the planned re-executions
+    t = Trainer(tiny_cfg("--train.max_retries", "1"), batches=batches)
+    t.add_guard(Planned(3, fail_at=2))
+    assert t.train_step().attempts == 4  # one failure allowed: planned, failed, planned, committed
+
+
+def test_a_failure_outranks_a_planned_re_execution_on_one_rank():
+    planned = Verdict.retry(site="profile", planned=True)
+    failed = Verdict.retry(site="flip")
+    assert worst([planned, failed]) is failed and worst([failed, planned]) is failed
+    assert worst([planned, Verdict.abort(site="x")]).action == Action.ABORT
+    assert Verdict.from_dict(planned.to_dict(), 3) == Verdict(Action.RETRY, "profile", "", "", 3, False, True)

@@ -58,14 +58,17 @@ class Verdict:
     guard: str = ""  # filled in by the trainer
     rank: int = 0  # filled in by the trainer
     rewind: bool = False  # retry from the start of the previous (committed) step: see StepGuard.on_rewind
+    # a re-execution the guard planned, not a fault (DMR's profiled attempts): it counts neither against
+    # train.max_retries nor as a failure of its site on consecutive attempts
+    planned: bool = False
 
     @classmethod
     def commit(cls) -> Verdict:
         return _COMMIT
 
     @classmethod
-    def retry(cls, site: str, reason: str = "", rewind: bool = False) -> Verdict:
-        return cls(Action.RETRY, site, reason, rewind=rewind)
+    def retry(cls, site: str, reason: str = "", rewind: bool = False, planned: bool = False) -> Verdict:
+        return cls(Action.RETRY, site, reason, rewind=rewind, planned=planned)
 
     @classmethod
     def abort(cls, site: str, reason: str = "") -> Verdict:
@@ -84,7 +87,15 @@ class Verdict:
                "rank": self.rank}
         if self.rewind:
             out["rewind"] = True
+        if self.planned:
+            out["planned"] = True
         return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], rank: int) -> Verdict:
+        """The verdict :meth:`to_dict` wrote, as rank ``rank``'s (verdicts sent between ranks as JSON)."""
+        return cls(Action[d["action"].upper()], d["site"], d["reason"], d["guard"], rank, bool(d.get("rewind")),
+                   bool(d.get("planned")))
 
 
 _COMMIT = Verdict()
@@ -144,9 +155,9 @@ class StepGuard:
 
 
 def worst(verdicts: list[Verdict]) -> Verdict:
-    """The most severe verdict (the first one among equals)."""
+    """The most severe verdict (the first one among equals; a failure before a planned re-execution)."""
     out = _COMMIT
     for v in verdicts:
-        if v.action > out.action:
+        if (v.action, not v.planned) > (out.action, not out.planned):
             out = v
     return out

@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -298,7 +298,7 @@ class Trainer:
         inspects_update = any(g.inspects_update for g in self.guards)
         retries: list[dict[str, Any]] = []
         previous: set[tuple[int, str]] = set()
-        attempt = 0
+        attempt = failed = 0  # attempts so far; re-executions asked for because something failed
         while True:
             ctx = StepContext(self, step, attempt)
             lr = self.optimizer.param_groups[0]["lr"]
@@ -350,16 +350,19 @@ class Trainer:
             retries.append({"attempt": attempt, **verdict.to_dict()})
             if verdict.action == Action.ABORT:
                 raise StepAborted(f"step {step}: {verdict.where()} asked to abort: {verdict.reason or 'no reason given'}")
-            sites = {(v.rank, f"{v.guard}:{v.site}") for v in verdicts if v.action == Action.RETRY}
+            retried = [v for v in verdicts if v.action == Action.RETRY]
+            sites = {(v.rank, f"{v.guard}:{v.site}") for v in retried if not v.planned}
             repeated = sorted(sites & previous)
             if repeated:
                 rank, site = repeated[0]
                 raise SuspectedHardwareFault(
                     f"suspected persistent hardware fault: rank {rank}, {site} failed on {attempt + 1} consecutive "
                     f"executions of step {step} (re-executing on the same device will not help)")
-            if attempt >= self.cfg.train.max_retries:
-                raise StepAborted(f"step {step}: still failing after {attempt} re-executions "
-                                  f"(train.max_retries); last: {verdict.where()}: {verdict.reason}")
+            if sites:  # (re-executions every guard planned, DMR's profiled attempts, are not failures)
+                if failed >= self.cfg.train.max_retries:
+                    raise StepAborted(f"step {step}: still failing after {failed} re-executions "
+                                      f"(train.max_retries); last: {verdict.where()}: {verdict.reason}")
+                failed += 1
             previous = sites
             self._rollback(start, update_snapshot)
             for g in self.guards:
@@ -432,7 +435,7 @@ class Trainer:
         for g in self.guards:
             v = g.on_error(ctx, err)
             if v is not None and not v.ok:
-                out.append(Verdict(v.action, v.site, v.reason, v.guard or g.name, self.rank, v.rewind))
+                out.append(replace(v, guard=v.guard or g.name, rank=self.rank))
         return out
 
     def _stage(self, stage: str, step: int) -> None:
@@ -452,7 +455,7 @@ class Trainer:
                 continue
             v = g.before_update(ctx) if stage == "before_update" else g.after_update(ctx)
             if not v.ok:
-                local.append(Verdict(v.action, v.site, v.reason, v.guard or g.name, self.rank, v.rewind))
+                local.append(replace(v, guard=v.guard or g.name, rank=self.rank))
         return self.strategy.reduce_verdicts(self, worst(local))
 
     def _rollback(self, start: StepStart | None, update: StepSnapshot | None) -> None:

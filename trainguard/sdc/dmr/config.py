@@ -76,7 +76,10 @@ class DMRConfig:
                                  "rest absorbs checkers that run slower than profiled, e.g. beside another rank's "
                                  "compute; what does not fit goes to another window, or is carried or checked at once)")
     plan: str = setting("", help="a DMR plan JSON (trainguard plan dmr --out); empty: profile and plan at the start")
-    profile_steps: int = setting(1, help="steps profiled before planning (they run with naive DMR)")
+    profile_steps: int = setting(1, help="times the first step is profiled before the plan is made (each attempt "
+                                 "unverified, then re-executed; the plan takes each op's and window's median time "
+                                 "over them, so one op preempted while profiled on a loaded host does not leave it "
+                                 "checked at once for the whole run). 3 where ranks share cores")
     determinism_report: str = setting("", help="tolerance mode: a determinism report JSON (from a clean run)")
     tolerance_safety: float = setting(8.0, help="tolerance = this x the largest clean-run gap of the op")
     coverage: bool = setting(False, help="keep the per-op coverage report of the last step (memory grows with ops)")

@@ -73,7 +73,7 @@ from trainguard.sdc.dmr.determinism import load_tolerances
 from trainguard.sdc.dmr.dynamic import DynamicPlanner, Entry
 from trainguard.sdc.dmr.plan import CARRY, Plan
 from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
-from trainguard.sdc.dmr.profile import OpRecord, Profile, Window
+from trainguard.sdc.dmr.profile import OpRecord, Profile, Window, median_profile
 from trainguard.train.activation_checkpoint import add_checkpoint_context, set_checkpoint_early_stop
 from trainguard.train.guards import StepGuard, Verdict
 from trainguard.utils.threadflag import ThreadFlag
@@ -232,6 +232,7 @@ class DMREngine:
         self.totals: Counter = Counter()  # over the run
         self.profile: Profile | None = None  # the last profile recorded
         self._profiling = False
+        self._profiled: list[Profile] = []  # the attempts profiled so far for the next plan (profile_steps)
         self._modules: list[str] = []
         self._blocks: dict[str, str] = {}  # module path -> its block (see _block_of), for every op that owns a node
         self._optimizer_phase = False
@@ -1785,8 +1786,10 @@ class DMREngine:
         self._own(phase, op_id, dynamic)
         return out
 
-    def finish_profile(self, trainer) -> Profile:
-        """The profile of the attempt just recorded, and the plan made from it (kept as ``self.plan``)."""
+    def finish_profile(self, trainer) -> Profile | None:
+        """Record the attempt just profiled. After ``profile_steps`` of them (the first step, re-executed each time):
+        the profile (:func:`median_profile` of them) and the plan made from it (kept as ``self.profile`` and
+        ``self.plan``); None while more are to come."""
         curve = self._curve
         peak = max((b for _, b in curve), default=_rss_bytes())
         # The paper's budget is the device's memory: by default the checks may hold half of what is free now
@@ -1794,12 +1797,15 @@ class DMREngine:
         # (inputs autograd keeps anyway count too), and the peak reached is reported by bench dmr.
         headroom = int(self.cfg.memory_budget_mb * 2**20) or (_free_memory_bytes(trainer.device) // 2 or peak // 4)
         blocks = list(dict.fromkeys(r.block for r in self._records if r.block))
-        self.profile = Profile(model=getattr(trainer.cfg.model, "preset", ""), strategy=trainer.strategy.name,
-                               rank=trainer.rank, stage=getattr(trainer.strategy, "stage", 0),
-                               iteration_s=time.perf_counter() - self._t0, memory_budget_bytes=peak + headroom,
-                               peak_bytes=peak, memory_curve=curve or [(0.0, peak)], blocks=blocks,
-                               ops=self._records, windows=self._window_records,
-                               meta=self._fingerprint_cost(trainer.device))
+        self._profiled.append(Profile(model=getattr(trainer.cfg.model, "preset", ""), strategy=trainer.strategy.name,
+                                      rank=trainer.rank, stage=getattr(trainer.strategy, "stage", 0),
+                                      iteration_s=time.perf_counter() - self._t0, memory_budget_bytes=peak + headroom,
+                                      peak_bytes=peak, memory_curve=curve or [(0.0, peak)], blocks=blocks,
+                                      ops=self._records, windows=self._window_records))
+        if len(self._profiled) < self.cfg.profile_steps:
+            return None
+        self.profile, self._profiled = median_profile(self._profiled), []
+        self.profile.meta = self._fingerprint_cost(trainer.device)
         self.plan = plan_static(self.profile, self.planner_config())
         self.budget_bytes = self.budget_bytes or headroom
         self.dynamic = DynamicPlanner(int(self.plan.summary.get("dynamic_budget_bytes") or headroom))
@@ -1946,8 +1952,9 @@ class DMRGuard(StepGuard):
     def before_update(self, ctx) -> Verdict:
         eng = self.engine
         if eng._profiling:
-            eng.finish_profile(ctx.trainer)
-            return Verdict.retry(site="profile", reason="profiled this attempt (unverified); re-executed with the plan")
+            done = eng.finish_profile(ctx.trainer) is not None
+            return Verdict.retry(site="profile", reason="profiled this attempt (unverified); re-executed " +
+                                 ("with the plan" if done else "to profile it again (profile_steps)"), planned=True)
         eng._carry_sync_step = None  # (this verdict, reduced over every rank, judges the previous step's carried checks)
         eng.drain()
         eng._read_flags()  # (the stream executor: every comparison of the iteration, in one transfer)

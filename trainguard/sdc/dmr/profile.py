@@ -11,7 +11,8 @@ standard library only.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import statistics
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -95,3 +96,31 @@ class Profile:
             if o.id == op_id:
                 return o
         raise KeyError(op_id)
+
+
+def median_profile(profiles: list[Profile]) -> Profile:
+    """One profile from several of the same iteration (``[sdc.dmr] profile_steps``): the last one, with each op's
+    and each window's time the median over the profiles that recorded it (ops and windows match by id), the
+    iteration's time the median too, and the peak the largest seen (the budget keeps the last one's headroom above
+    it).
+
+    Why: the plan is made once, from what the profile says each op costs. On a loaded host one op preempted while
+    profiled reads tens of milliseconds too long, fits no window, and is checked on the critical path for the rest
+    of the run; the median of three ignores one such reading."""
+    if not profiles:
+        raise ValueError("median_profile needs at least one profile")
+    last = profiles[-1]
+    if len(profiles) == 1:
+        return last
+    op_times: dict[str, list[float]] = {}
+    window_times: dict[str, list[float]] = {}
+    for p in profiles:
+        for o in p.ops:
+            op_times.setdefault(o.id, []).append(o.time_s)
+        for w in p.windows:
+            window_times.setdefault(w.id, []).append(w.duration_s)
+    peak = max(p.peak_bytes for p in profiles)
+    return replace(last, iteration_s=statistics.median(p.iteration_s for p in profiles), peak_bytes=peak,
+                   memory_budget_bytes=last.memory_budget_bytes - last.peak_bytes + peak,
+                   ops=[replace(o, time_s=statistics.median(op_times[o.id])) for o in last.ops],
+                   windows=[replace(w, duration_s=statistics.median(window_times[w.id])) for w in last.windows])

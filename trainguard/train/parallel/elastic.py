@@ -495,8 +495,7 @@ class ElasticStrategy(Strategy):
             if not blob:
                 continue
             try:
-                d = json.loads(blob.decode())
-                out.append(Verdict(Action[d["action"].upper()], d["site"], d["reason"], d["guard"], r))
+                out.append(Verdict.from_dict(json.loads(blob.decode()), r))
             except (ValueError, KeyError):
                 out.append(Verdict(Action.RETRY, "?", "verdict truncated", "", r))
         return out
