@@ -350,8 +350,7 @@ class Trainer:
             retries.append({"attempt": attempt, **verdict.to_dict()})
             if verdict.action == Action.ABORT:
                 raise StepAborted(f"step {step}: {verdict.where()} asked to abort: {verdict.reason or 'no reason given'}")
-            retried = [v for v in verdicts if v.action == Action.RETRY]
-            sites = {(v.rank, f"{v.guard}:{v.site}") for v in retried if not v.planned}
+            sites = {(v.rank, f"{v.guard}:{v.site}") for v in verdicts if v.action == Action.RETRY and not v.planned}
             repeated = sorted(sites & previous)
             if repeated:
                 rank, site = repeated[0]
