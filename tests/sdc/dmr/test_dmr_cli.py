@@ -120,6 +120,7 @@ def test_model_without_the_profiler_is_refused(capsys):
                                        (["--system-warmup", "-2"], "--switch-warmup and --system-warmup must be >= 0"),
                                        (["--idle-fraction", "0.99"], "--idle-fraction must be in"),
                                        (["--systems", "fast"], "--systems: unknown fast"),
+                                       (["--profile-steps", "0"], "--profile-steps must be >= 1, got 0"),
                                        # sizes the trainer refuses: refused before any rank is launched
                                        (["--microbatches", "3"], "must be divisible by dp*grad_accum*microbatches (3)"),
                                        (["--microbatches", "1"], "must be >= distributed.pp (2)"),
@@ -141,6 +142,14 @@ def test_bench_dmr_reports_the_tokens_each_micro_batch_carries(argv, micro, toke
     args = sub.choices["dmr"].parse_args(argv)
     spec = _spec(args)
     assert spec["microbatches"] == micro and tokens_per_microbatch(spec, args) == tokens
+
+
+def test_bench_dmr_passes_profile_steps_to_its_ranks():
+    from trainguard.cli.commands._bench_dmr import _spec, register_bench
+    sub = argparse.ArgumentParser().add_subparsers()
+    register_bench(sub)
+    assert _spec(sub.choices["dmr"].parse_args([]))["profile_steps"] == 1  # (the paper's single profile)
+    assert _spec(sub.choices["dmr"].parse_args(["--profile-steps", "3"]))["profile_steps"] == 3
 
 
 def test_bench_dmr_refuses_an_unknown_carry_budget_in_one_line(capsys):

@@ -359,12 +359,14 @@ def test_bench_reports_each_systems_own_peak_heap_and_says_how_memory_was_measur
     from trainguard.sdc.dmr.bench import merge, run_rank
 
     switches: list[tuple[str, int]] = []
+    cfgs = []
+    monkeypatch.setattr(bench, "attach", lambda trainer, cfg: (cfgs.append(cfg), attach(trainer, cfg))[1])
     set_system = bench._set_system
     monkeypatch.setattr(bench, "_set_system", lambda engine, trainer, s, plans=None: (
         switches.append((s, trainer.step_idx)), set_system(engine, trainer, s, plans))[-1])
     systems = ["none", "naive", "sparetrain"]
     res = run_rank({"overrides": SMALL + ["--train.activation_checkpoint", "full"], "systems": systems,
-                    "rounds": 1, "steps": 1, "warmup": 1, "system_warmup": 2})
+                    "rounds": 1, "steps": 1, "warmup": 1, "system_warmup": 2, "profile_steps": 2})
     # after the warm-up and the profiled step: each system's untimed steps (until its heap stops growing: two
     # quiet steps, which is also the most allowed here), then the round (1 + 1 each)
     first = next(i for i, (s, _) in enumerate(switches) if s == "sparetrain")
@@ -374,6 +376,8 @@ def test_bench_reports_each_systems_own_peak_heap_and_says_how_memory_was_measur
     assert all(n == 2 for n in res["warm_up_steps"].values())
     assert [b - a for (_, a), (_, b) in itertools.pairwise(timed)] == [2, 2]
     out = merge([res], systems)
+    # profile_steps reaches the engine; one process has no window to plan for, so nothing is profiled
+    assert [c.profile_steps for c in cfgs] == [2] and out["profiled_attempts"] == res["profiled_attempts"] == 0
     assert out["warm_up_steps"] == res["warm_up_steps"]
     assert out["coverage"] == 1.0 and out["detected_in_clean_runs"] == 0
     assert out["idle_held"] is False and out["idle_by_round"] == []  # (no emulated link without a pipeline)

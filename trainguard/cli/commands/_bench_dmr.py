@@ -47,6 +47,9 @@ def register_bench(subparsers) -> None:
     p.add_argument("--carry-budget", choices=CARRY_MODES, default=DMRConfig().carry_budget,
                    help="naive backward ops carried past the update ([sdc.dmr] carry_budget): unbounded (default: all) "
                         "or windows (as many as the profiled windows have room for)")
+    p.add_argument("--profile-steps", type=int, default=DMRConfig().profile_steps,
+                   help="times the first SpareTrain step is profiled before the plan is made ([sdc.dmr] profile_steps; "
+                        "default 1): the plan takes each op's and window's median time over them")
     p.add_argument("--host-memory", choices=("retain", "default"), default="retain",
                    help="retain (default): every system keeps freed CPU memory in the process instead of page-faulting "
                         "large buffers every step ([train] host_memory; what CUDA's caching allocator does); default: "
@@ -70,6 +73,8 @@ def _spec(args) -> dict:
     if args.switch_warmup < 0 or args.system_warmup < 0:
         raise ConfigError(f"--switch-warmup and --system-warmup must be >= 0, got {args.switch_warmup}, "
                           f"{args.system_warmup}")
+    if args.profile_steps < 1:
+        raise ConfigError(f"--profile-steps must be >= 1, got {args.profile_steps}")
     if not args.memory_budget_mb >= 0:
         raise ConfigError(f"--memory-budget-mb must be >= 0, got {args.memory_budget_mb}")
     overrides = ["--model.preset", args.model, "--data.seq_len", str(args.seq_len), "--data.batch_size", str(args.batch),
@@ -84,7 +89,8 @@ def _spec(args) -> dict:
             "systems": systems, "idle_fraction": args.idle_fraction, "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup, "switch_warmup": args.switch_warmup,
             "system_warmup": args.system_warmup,
-            "memory_budget_mb": args.memory_budget_mb, "hold_idle": args.hold_idle, "carry_budget": args.carry_budget}
+            "memory_budget_mb": args.memory_budget_mb, "hold_idle": args.hold_idle, "carry_budget": args.carry_budget,
+            "profile_steps": args.profile_steps}
 
 
 def tokens_per_microbatch(spec: dict, args) -> int:
@@ -113,7 +119,8 @@ def run(args) -> int:
     res.update(model=args.model, pp=args.pp, batch=args.batch, seq_len=args.seq_len,
                microbatches=spec["microbatches"], tokens_per_microbatch=tokens_per_microbatch(spec, args),
                idle_fraction_target=args.idle_fraction,
-               host_memory=args.host_memory, gc=args.gc, carry_budget=args.carry_budget)
+               host_memory=args.host_memory, gc=args.gc, carry_budget=args.carry_budget,
+               profile_steps=args.profile_steps)
     rows = {k: v for k, v in res.items() if not isinstance(v, (dict, list))}
     out.print(table("bench dmr (side by side; " + ("emulated link" if res["idle_fraction_emulated"] else "loopback link")
                     + ")", rows))

@@ -168,7 +168,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = TrainerConfig.load(None, spec["overrides"])
     trainer = Trainer(cfg, progress=False)
     engine = attach(trainer, DMRConfig(enabled=True, system="none", memory_budget_mb=spec.get("memory_budget_mb", 0.0),
-                                       carry_budget=spec.get("carry_budget", DMRConfig.carry_budget)))
+                                       carry_budget=spec.get("carry_budget", DMRConfig.carry_budget),
+                                       profile_steps=spec.get("profile_steps", DMRConfig.profile_steps)).validate())
     systems = spec.get("systems", list(SYSTEMS))
     # warm-up (and calibration of the emulated link) on No-DMR
     _set_system(engine, trainer, "none")
@@ -196,9 +197,10 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             times, idle = _timed_steps(trainer, 3)
         else:
             calibrated = _mean_over_ranks(idle)
-    # profile one step (then re-executed under the plan) and plan it once per phase set
+    # profile one step (``profile_steps`` times, each attempt then re-executed; the plan takes the median times) and
+    # plan it once per phase set
     _set_system(engine, trainer, "sparetrain")
-    trainer.train_step()
+    profiled_attempts = trainer.train_step().attempts - 1
     plans = {p: plan_static(engine.profile, engine.planner_config(p)) for p in PHASES.values()} \
         if engine.profile is not None else None
     per: dict[str, dict[str, list]] = {s: {"times": [], "idle": [], "rss": [], "where": {}, "by_round": []}
@@ -251,6 +253,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     out = {
         "rank": trainer.rank, "strategy": trainer.strategy.name, "link_delay_ms": delay * 1000, "warm_up_steps": warmed,
         "idle_fraction_calibrated": calibrated, "hold_idle": hold, "rounds": by_round,
+        "profiled_attempts": profiled_attempts,
         "emulated_link": delay > 0, "tokens_per_step": tokens,
         "systems": {s: {"tokens_per_s": tokens / statistics.median(v["times"]), "step_s": statistics.median(v["times"]),
                         "idle_fraction": statistics.median(v["idle"]), "peak_rss_bytes": max(v["rss"]),
@@ -287,6 +290,8 @@ def merge(ranks: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
         "idle_by_round": ranks[0].get("rounds", []),
         # untimed steps each system ran before the first round, until its heap stopped growing (every rank alike)
         "warm_up_steps": ranks[0].get("warm_up_steps", {}),
+        # attempts of the first SpareTrain step that were profiled before the plan was made (``profile_steps``)
+        "profiled_attempts": ranks[0].get("profiled_attempts"),
         "coverage": min(r["coverage"] for r in ranks), "detected_in_clean_runs": sum(r["detected"] for r in ranks),
         "peak_memory_bytes": {s: max(r["systems"][s][key] for r in ranks) for s in systems},
         "memory_measure": "heap in use during one untimed step (glibc mallinfo2, sampled)" if key == "peak_heap_bytes"
