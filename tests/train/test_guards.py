@@ -218,6 +218,10 @@ def test_planned_re_executions_count_neither_against_the_limit_nor_as_a_persiste
     t = Trainer(tiny_cfg("--train.max_retries", "1"), batches=batches)
     t.add_guard(Planned(3, fail_at=2))
     assert t.train_step().attempts == 4  # one failure allowed: planned, failed, planned, committed
+    t = Trainer(tiny_cfg("--train.max_retries", "1", "--train.steps", "2"), batches=batches)
+    t.add_guard(Planned(3, fail_at=2))
+    s = t.run()  # the run summary counts the failure's re-execution apart from the planned ones
+    assert (s.retries, s.planned_retries) == (1, 2)
 
 
 def test_a_failure_outranks_a_planned_re_execution_on_one_rank():

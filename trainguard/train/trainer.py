@@ -129,7 +129,8 @@ class RunSummary:
     strategy: str = "single"
     model: str = ""
     params: int = 0
-    retries: int = 0
+    retries: int = 0  # re-executions asked for because something failed (a detection, a derailed step)
+    planned_retries: int = 0  # re-executions a guard planned (DMR's profiled attempts of the first step)
     suspected_hardware: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -714,7 +715,9 @@ class Trainer:
                 last = r
                 if first_loss is None:
                     first_loss = r.loss_t
-                summary.retries += r.attempts - 1
+                planned = sum(1 for x in r.retries if x.get("planned"))
+                summary.retries += r.attempts - 1 - planned
+                summary.planned_retries += planned
                 for retry in r.retries:
                     logger.event(event="retry", step=r.step + 1, **retry)
                 logger.record(r.step + 1, r.loss_t, r.grad_norm_t, r.lr, r.tokens, r.step_time_s,

@@ -4,6 +4,9 @@ median time, so one op preempted while profiled (a loaded host) does not leave i
 Windowed single-process trainer without activation checkpointing (``_windowed``): micro-batch 0's forward ops,
 the attention among them, are planned into the window micro-batch 1 waits in."""
 
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -95,3 +98,36 @@ def test_median_profile_matches_ops_and_windows_by_id():
     assert median_profile([a]) is a
     with pytest.raises(ValueError, match="at least one profile"):
         median_profile([])
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_sigterm_during_a_profiled_attempt_checkpoints_after_the_step_and_the_resumed_run_profiles_again(
+        batches, tmp_path, monkeypatch):
+    """Preempted between two profiled attempts of the first step: the step is still finished (profiled three times,
+    then verified under the plan) before the checkpoint, and the resumed process, which has no plan, profiles its
+    first step again. Both end bitwise equal to a run without DMR and without the interruption."""
+    steps = 3
+    clean = clean_params(batches, *NO_AC, steps=steps)
+    args = (*NO_AC, "--train.steps", str(steps), "--checkpoint.dir", str(tmp_path / "ck"), "--output.dir",
+            str(tmp_path / "out"))
+    real = engine_mod.DMREngine.finish_profile
+    calls: list[int] = []
+
+    def sigterm_after_the_first_profile(self, trainer_):
+        calls.append(trainer_.step_idx)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # (the second profiled attempt runs with the stop pending)
+        return real(self, trainer_)
+
+    monkeypatch.setattr(engine_mod.DMREngine, "finish_profile", sigterm_after_the_first_profile)
+    first = trainer(batches, *args)
+    eng = windowed(first, "thread", transfer=_transfer, profile_steps=3)
+    summary = first.run()
+    assert summary.stop_reason == "preempted" and summary.end_step == 1 and summary.checkpoint.endswith("step_00000001")
+    assert calls == [0, 0, 0] and eng.plan is not None and eng.totals["detected"] == 0
+    resumed = trainer(batches, *args, "--checkpoint.resume", "true")
+    assert resumed.step_idx == 1
+    again = windowed(resumed, "thread", transfer=_transfer, profile_steps=3)
+    resumed.run()
+    assert calls == [0, 0, 0, 1, 1, 1]  # the resumed process planned from its own first step, profiled three times
+    assert again.totals["detected"] == 0 and equal(params(resumed), clean)
