@@ -87,6 +87,11 @@ class StepResult:
     retries: list[dict[str, Any]] = field(default_factory=list)  # the verdicts that caused them
 
     @property
+    def planned_retries(self) -> int:
+        """Re-executions a guard planned (DMR's profiled attempts), not caused by a failure."""
+        return sum(1 for x in self.retries if x.get("planned"))
+
+    @property
     def loss(self) -> float:
         return float(self.loss_t)
 
@@ -715,9 +720,8 @@ class Trainer:
                 last = r
                 if first_loss is None:
                     first_loss = r.loss_t
-                planned = sum(1 for x in r.retries if x.get("planned"))
-                summary.retries += r.attempts - 1 - planned
-                summary.planned_retries += planned
+                summary.retries += r.attempts - 1 - r.planned_retries
+                summary.planned_retries += r.planned_retries
                 for retry in r.retries:
                     logger.event(event="retry", step=r.step + 1, **retry)
                 logger.record(r.step + 1, r.loss_t, r.grad_norm_t, r.lr, r.tokens, r.step_time_s,

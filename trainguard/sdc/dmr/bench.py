@@ -200,7 +200,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     # profile one step (``profile_steps`` times, each attempt then re-executed; the plan takes the median times) and
     # plan it once per phase set
     _set_system(engine, trainer, "sparetrain")
-    profiled_attempts = sum(1 for x in trainer.train_step().retries if x.get("planned"))
+    profiled_attempts = trainer.train_step().planned_retries
     plans = {p: plan_static(engine.profile, engine.planner_config(p)) for p in PHASES.values()} \
         if engine.profile is not None else None
     per: dict[str, dict[str, list]] = {s: {"times": [], "idle": [], "rss": [], "where": {}, "by_round": []}
