@@ -45,3 +45,38 @@ def test_routing_does_not_shift_the_static_op_ids():
     for run in runs:
         assert _static_mismatches(profiled, run) == []
         assert sum(":dyn:" not in i and i in profiled for i, _ in run) > 500
+
+
+def test_no_backward_op_runs_under_an_autograd_node_the_recompute_created():
+    # The engine names a backward op after the forward op whose autograd node runs it, and maps forward ops' node
+    # numbers only: under non-reentrant checkpointing autograd runs the forward's nodes, and the recompute only
+    # supplies their saved tensors. If torch ever ran a recompute's nodes, those backward ops would find no owner.
+    import torch
+
+    t = trainer(small_batches())
+    eng = windowed(t, "thread")
+    created = {"forward": set(), "recompute": set()}
+    ran: list[tuple[int, bool]] = []  # (node number, owned by a forward op of the engine)
+    last = [-1]
+    real = eng._dispatch
+
+    def spy(func, args, kwargs, swap, inf):
+        phase = eng.phase()
+        if inf.kind == "compute" and phase in created:
+            seq = torch._C._autograd._get_sequence_nr() - 1  # (autograd numbers the op's node before the mode)
+            if seq != last[0]:
+                created[phase].add(seq)
+                last[0] = seq
+        elif inf.kind == "compute" and phase == "backward":
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                ran.append((node._sequence_nr(), node._sequence_nr() in eng._seq_owner))
+        return real(func, args, kwargs, swap, inf)
+
+    eng._dispatch = spy
+    for _ in range(3):  # profiled, then planned
+        t.train_step()
+    assert len(created["recompute"]) > 50 and len(ran) > 100  # the recompute made nodes; backward ops ran
+    numbers = {n for n, _ in ran}
+    assert not numbers & created["recompute"] and numbers & created["forward"]
+    assert sum(owned for _, owned in ran) > 0.8 * len(ran)

@@ -697,7 +697,7 @@ class DMREngine:
                 self._tape_alias(op_id, op_id[len("recompute:"):], out)
             else:
                 self._tape_record(op_id, func, args, kwargs, out, taped)
-        if phase == "forward" or phase == "recompute":  # (the only phases _own maps)
+        if phase == "forward":  # (the only phase _own maps)
             self._own(phase, op_id, dynamic)
         return out
 
@@ -765,8 +765,11 @@ class DMREngine:
         return self._seq_owner.get(node._sequence_nr()) if node is not None else None
 
     def _own(self, phase: str, op_id: str, dynamic: bool) -> None:
-        """Map the autograd sequence number the op just took (if it took one) to the op."""
-        if phase not in ("forward", "recompute"):
+        """Map the autograd sequence number the op just took (if it took one) to the op. Forward ops only: under
+        non-reentrant checkpointing (the only kind trainguard runs) autograd never runs a node the recompute
+        creates (the recompute only supplies the saved tensors of the forward's nodes, detached), so no backward
+        op would ever look a recompute's number up. ``test_op_ids`` checks that no backward op runs under one."""
+        if phase != "forward":
             return
         seq = torch._C._autograd._get_sequence_nr() - 1
         if seq != self._last_seq:
@@ -801,7 +804,6 @@ class DMREngine:
                 # step is retried anyway; continuing with the forward's routing keeps the recompute's shapes
                 # what autograd saved, instead of torch.utils.checkpoint failing the step on one pipeline
                 # stage while the other waits for it.
-        self._own("recompute", f"recompute:{op_id}", False)
         return out
 
     def _copy(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
@@ -1606,7 +1608,7 @@ class DMREngine:
                 _idle_priority()
             try:
                 with _checking():
-                    self._window_checks(wid, kind, todo, tapes, ran, lambda: not closed.is_set())
+                    self._window_checks(wid, kind, todo, tapes, ran, lambda: not closed.is_set(), hold=False)
             except BaseException as err:  # handed to the main thread: a checker never fails silently
                 failed.append(err)
 
@@ -1661,9 +1663,12 @@ class DMREngine:
             return None
 
     def _window_checks(self, wid: str, kind: str, todo: list[Deferred], tapes: list[Tape], ran: list[Deferred],
-                       more: Callable[[], bool]) -> None:
+                       more: Callable[[], bool], hold: bool = True) -> None:
         """The checks of window ``wid``: the held update's, fingerprints still to be taken, the planned AGC replays
-        and deferred checks, unplanned ones and the previous iteration's carried ones while ``more()``."""
+        and deferred checks, unplanned ones and the previous iteration's carried ones while ``more()``. ``hold``:
+        every deferred check planned here runs even once ``more()`` turns false (the stream executor: launched
+        ahead of a window the host cannot see end); else those left when the window closes are left to later
+        windows (see below)."""
         if not self._carried_due():
             self._check_held(self.step)  # the previous iteration's update, once its carried checks ran
         # fingerprints taken later next: they hold outputs alive (and P-DMR comparisons wait on them)
@@ -1671,8 +1676,18 @@ class DMREngine:
         for tape in tapes:  # planned for this window: they all run
             tape.replayed = True
             self._replay(tape, kind)
-        for d in todo:
-            if not more() and d.window != wid:
+        for i, d in enumerate(todo):
+            if not more() and (d.window != wid or not hold):
+                # The window closed before its planned checks were done: it was shorter than profiled, or they ran
+                # slower (a host slower for a while, a shorter transfer). The step does not wait for them: they join
+                # the unplanned checks, which later windows run in the time their own leave, else the drain
+                # (before the verdict, as always). Their inputs stay kept meanwhile, within the memory budget
+                # they were admitted under.
+                with self._lock:
+                    for late in todo[i:]:
+                        if late.window == wid:
+                            late.window = None
+                            self.counts["left-to-later-windows"] += 1
                 break
             self._check(d, kind)
             ran.append(d)
