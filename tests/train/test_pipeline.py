@@ -183,7 +183,9 @@ def test_dmr_on_two_stages_detects_a_bit_flip_and_ends_bitwise_equal(tmp_path, c
     # window before the update is carried into the next iteration's first window: both iterations re-ran)
     assert [s["attempts"] for s in got[0]["steps"]] in ([2, 1, 2, 1], [2, 1, 1, 1, 2])
     assert all(r["dmr_coverage"] == 1.0 for r in got)
-    assert any(k.startswith("checked-in-pp") for k in got[0]["dmr_counts"])  # deferred checks ran in pp windows
+    # deferred checks were planned into pp windows: run there, or (a loopback window can close before its worker
+    # starts, on a loaded host) left to later windows or the drain, which the step does not wait for in the window
+    assert any(k.startswith("checked-in-pp") or k == "left-to-later-windows" for k in got[0]["dmr_counts"])
     # fingerprints were taken later, in the windows, and none of them went stale (an output written in place
     # before its fingerprint was taken would be one)
     assert all(r["dmr_counts"].get("fingerprints-later", 0) > 0 for r in got)
