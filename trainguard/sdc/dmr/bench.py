@@ -115,7 +115,8 @@ def _set_system(engine, trainer, system: str, plans: dict | None = None) -> None
 def _timed_steps(trainer, n: int, engine=None, where: dict | None = None) -> tuple[list[float], float]:
     """Step wall times and the share of them spent waiting on pipeline transfers. With ``engine`` and
     ``where``: per step, where the checkers' time went (``overrun_s``: the step waited at the end of a window
-    for the checkers planned there; ``drain_s``: checkers left for the end of the iteration)."""
+    for its worker: the check under way, and what runs whole once started: the previous update's held check,
+    the planned AGC replays; ``drain_s``: checkers left for the end of the iteration)."""
     sched = getattr(trainer.strategy, "schedule", None)
     w0 = getattr(sched, "wait_s", 0.0)
     times = []

@@ -1621,7 +1621,7 @@ class DMREngine:
             t1 = time.perf_counter()
             closed.set()
             worker.join()
-            # (window, time the communication took, time the step then waited for the checkers planned there)
+            # (window, time the communication took, time the step then waited for the worker to stop)
             self.window_log.append((wid, t1 - t0, time.perf_counter() - t1))
             if failed:
                 raise failed[0]
