@@ -720,8 +720,9 @@ class Trainer:
                 last = r
                 if first_loss is None:
                     first_loss = r.loss_t
-                summary.retries += r.attempts - 1 - r.planned_retries
-                summary.planned_retries += r.planned_retries
+                planned = r.planned_retries
+                summary.retries += r.attempts - 1 - planned
+                summary.planned_retries += planned
                 for retry in r.retries:
                     logger.event(event="retry", step=r.step + 1, **retry)
                 logger.record(r.step + 1, r.loss_t, r.grad_norm_t, r.lr, r.tokens, r.step_time_s,

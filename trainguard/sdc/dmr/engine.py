@@ -1608,7 +1608,7 @@ class DMREngine:
                 _idle_priority()
             try:
                 with _checking():
-                    self._window_checks(wid, kind, todo, tapes, ran, lambda: not closed.is_set(), hold=False)
+                    self._window_checks(wid, kind, todo, tapes, ran, lambda: not closed.is_set())
             except BaseException as err:  # handed to the main thread: a checker never fails silently
                 failed.append(err)
 
@@ -1663,12 +1663,11 @@ class DMREngine:
             return None
 
     def _window_checks(self, wid: str, kind: str, todo: list[Deferred], tapes: list[Tape], ran: list[Deferred],
-                       more: Callable[[], bool], hold: bool = True) -> None:
+                       more: Callable[[], bool]) -> None:
         """The checks of window ``wid``: the held update's, fingerprints still to be taken, the planned AGC replays
-        and deferred checks, unplanned ones and the previous iteration's carried ones while ``more()``. ``hold``:
-        every deferred check planned here runs even once ``more()`` turns false (the stream executor: launched
-        ahead of a window the host cannot see end); else those left when the window closes are left to later
-        windows (see below)."""
+        and deferred checks, unplanned ones and the previous iteration's carried ones while ``more()``. On a stream
+        every deferred check planned here is launched even once ``more()`` turns false (ahead of a window the host
+        cannot see end); on the thread executor those left when the window closes go to later windows (below)."""
         if not self._carried_due():
             self._check_held(self.step)  # the previous iteration's update, once its carried checks ran
         # fingerprints taken later next: they hold outputs alive (and P-DMR comparisons wait on them)
@@ -1677,7 +1676,7 @@ class DMREngine:
             tape.replayed = True
             self._replay(tape, kind)
         for i, d in enumerate(todo):
-            if not more() and (d.window != wid or not hold):
+            if not more() and (d.window != wid or self._side is None):
                 # The window closed before its planned checks were done: it was shorter than profiled, or they ran
                 # slower (a host slower for a while, a shorter transfer). The step does not wait for them: they join
                 # the unplanned checks, which later windows run in the time their own leave, else the drain
