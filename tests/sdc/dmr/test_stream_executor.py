@@ -24,7 +24,22 @@ def _windowed(batches, executor: str, **cfg):
 
 @pytest.mark.parametrize("executor", ["thread", "stream"])
 def test_clean_windowed_runs_raise_no_alarm_and_end_bitwise_with_either_executor(batches, clean, executor):
-    t, eng = _windowed(batches, executor, coverage=True)
+    # Each transfer lasts 100 ms and, once the plan exists, until the window has checked something (at most 10 s):
+    # the thread executor's worker first checks the held update and takes fingerprints, and on a loaded host (the
+    # suite's two test processes on two cores) those alone can outlast 100 ms; the window then leaves its planned
+    # checks to the drain (tests/sdc/dmr/test_window_closes_early.py), and this test would see none run in it.
+    def transfer():
+        start = eng.counts["checked-in-pp"]
+
+        def wait():
+            time.sleep(0.1)
+            deadline = time.monotonic() + 10
+            while not eng._profiling and eng.counts["checked-in-pp"] == start and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return wait
+
+    t = trainer(batches)
+    eng = windowed(t, executor, transfer=transfer, coverage=True)
     for _ in range(3):
         t.train_step()
     assert eng.totals["detected"] == 0 and eng.totals["stale"] == 0
