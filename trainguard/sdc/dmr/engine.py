@@ -259,6 +259,11 @@ class DMREngine:
         self._spare: dict[int, torch.Tensor] = {}
         self._repair: list[tuple[dict, dict]] = []  # (verified result, live state) to write back
         self._held_fatal: str | None = None
+        # what the last held check took (all of a step's fused calls): the thread executor starts one only in a
+        # window whose profiled end leaves that much room (``_held_fits``); the end of the window now open
+        self._held_s = 0.0
+        self._window_end = float("inf")
+        self._later_room = 0.0  # the most free time a later window of the plan has (see _index_plan)
         self._pre_start: int | None = None  # the step at whose start the state was what ``_pre`` holds
         self._spare_step: dict[int, int] = {}  # per tensor: the step whose update's check moved its copy to ``_spare``
         self._spare_start: int | None = None  # the same for ``_spare``
@@ -708,6 +713,13 @@ class DMREngine:
         for a in (self.plan.agc_segments if self.plan is not None else []):
             for op in (*a.forward_ops, *a.bw_ops):
                 self._agc_of[op] = a
+        # per window: the most time a later window of the step has beyond its planned checks (for _held_fits)
+        self._room_after: dict[str, float] = {}
+        room = 0.0
+        for w in sorted(self.plan.windows if self.plan is not None else [], key=lambda w: -w.start_s):
+            self._room_after[w.id] = room
+            if not w.dynamic:
+                room = max(room, w.duration_s - w.used_s)
 
     def _tape(self, a) -> Tape:
         tape = self._tapes.get(a.id)
@@ -1151,8 +1163,28 @@ class DMREngine:
         with its primary, the tie-breaker."""
         due = [h for h in self._held if before_step is None or h.step < before_step]
         self._held = [h for h in self._held if not (before_step is None or h.step < before_step)]
+        t0 = time.perf_counter()
         for h in due:
             self._check_one(h)
+        if due:
+            self._held_s = time.perf_counter() - t0
+
+    def _held_due(self) -> bool:
+        return any(h.step < self.step for h in self._held)
+
+    def _held_fits(self, more: Callable[[], bool]) -> bool:
+        """Whether a window may start the previous update's held check now. On the thread executor, only while the
+        window is open and its profiled end leaves room for what the last held check took: started late, it
+        would outlast the window and the step would wait for it at the window's end (a copy of the optimizer
+        state and a second update, the longest single check there is). Left here where a later window of the plan
+        has that much free time: one of them checks it, else the drain. On a stream, as every check there, it is
+        launched ahead of the wait."""
+        if self._side is not None:
+            return True
+        if not more():
+            return False
+        # (where no later window has room either, here is better than the drain: the step waits only the overrun)
+        return time.perf_counter() + self._held_s <= self._window_end or self._later_room < self._held_s
 
     def _check_one(self, h: _HeldUpdate) -> None:
         live = {n: h.bound[n] for n in h.written}
@@ -1613,7 +1645,10 @@ class DMREngine:
                 failed.append(err)
 
         worker = threading.Thread(target=work, daemon=True)
+        w = self._plan_window(wid)
         t0 = time.perf_counter()
+        self._window_end = t0 + w.duration_s if w is not None else float("inf")  # (unplanned: while open)
+        self._later_room = self._room_after.get(wid, 0.0)
         worker.start()
         try:
             return wait()
@@ -1668,7 +1703,7 @@ class DMREngine:
         and deferred checks, unplanned ones and the previous iteration's carried ones while ``more()``. On a stream
         every deferred check planned here is launched even once ``more()`` turns false (ahead of a window the host
         cannot see end); on the thread executor those left when the window closes go to later windows (below)."""
-        if not self._carried_due():
+        if not self._carried_due() and self._held_fits(more):
             self._check_held(self.step)  # the previous iteration's update, once its carried checks ran
         # fingerprints taken later next: they hold outputs alive (and P-DMR comparisons wait on them)
         self._settle(more if self._side is None else (lambda: True))  # (on a stream: launched, not waited for)
@@ -1693,8 +1728,11 @@ class DMREngine:
         # the previous iteration's carried checks, in the time left (the rest in later windows or the drain)
         if self._check_carried(more=more):
             return  # one failed: both iterations are re-executed; the held update keeps its copy
-        if not self._carried_due():
-            self._check_held(self.step)
+        if not self._carried_due() and self._held_due():
+            if self._held_fits(more):
+                self._check_held(self.step)
+            else:
+                self.counts["held-left-to-later-windows"] += 1
         self.dynamic.at_dynamic_window(more, wid)
 
     def _check(self, d: Deferred, where: str) -> None:

@@ -1,0 +1,102 @@
+"""The held check of the previous update (a copy of the optimizer state and a second fused update: the longest single
+check there is) starts, on the thread executor, only in a window whose profiled end leaves room for it, where a later
+window of the plan has that room: started late, it would outlast the window and the step would wait for it.
+
+Two windows a step here (four micro-batches, every second forward waits): the first profiled at 100 ms, the second
+at 800 ms; each held check is made to take 300 ms (two fused calls, 150 ms each)."""
+
+import threading
+import time
+
+import pytest
+
+from tests.sdc.dmr._windowed import clean_params, equal, params, trainer, windowed
+from trainguard.faults import Fault, FaultModel, Injector, OpSite
+
+ACCUM = ("--train.grad_accum", "4")
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def clean4(batches):
+    return clean_params(batches, *ACCUM, steps=STEPS)
+
+
+def _two_windows(batches, second_closed: bool = False, second_s: float = 0.8):
+    """A trainer whose held checks take 150 ms a call, and where each ran: (window count of the attempt, whether on
+    the main thread). ``second_closed``: after profiling, the second window of a step is closed before any of its
+    checks starts (a transfer already done), so what was left to it goes to the drain. ``second_s``: the second
+    window's length."""
+    t = trainer(batches, *ACCUM)
+    lengths = [0.1, second_s]
+    n = [0]
+
+    def transfer():
+        n[0] += 1
+        s = lengths[(n[0] - 1) % 2]
+        return lambda: time.sleep(s)
+
+    eng = windowed(t, "thread", transfer=transfer)
+    where: list[tuple[int, bool]] = []
+    real_one, real_checks = eng._check_one, eng._window_checks
+
+    def slow_held(h):
+        where.append((eng._windows["pp"], threading.current_thread() is threading.main_thread()))
+        time.sleep(0.15)
+        real_one(h)
+
+    def window_checks(wid, kind, todo, tapes, ran, more):
+        if second_closed and wid == "pp:1" and eng.plan is not None:
+            more = lambda: False
+        real_checks(wid, kind, todo, tapes, ran, more)
+
+    eng._check_one, eng._window_checks = slow_held, window_checks
+    return t, eng, where
+
+
+def test_a_held_check_waits_for_the_later_window_with_room_and_the_first_window_ends_on_time(batches, clean4):
+    t, eng, where = _two_windows(batches)
+    results = [t.train_step() for _ in range(STEPS)]
+    assert [r.attempts for r in results] == [2, 1, 1, 1]
+    # the first held check (nothing measured yet) may start in the first window; every later one in the second
+    later = where[2:]
+    assert len(later) >= 4 and all(w == (2, False) for w in later), where
+    assert eng.counts["held-left-to-later-windows"] >= 1  # (the counts are the last step's)
+    # the short window no longer waits for a held check at its end (it did by ~200 ms before)
+    firsts = [wait for wid, _, wait in eng.window_log[-2 * (STEPS - 2):] if wid == "pp:0"]
+    assert firsts and max(firsts) < 0.1, eng.window_log
+    assert eng.totals["detected"] == 0
+    assert equal(params(t), clean4)
+
+
+def test_a_held_check_no_window_started_is_checked_by_the_drain_and_the_run_ends_bitwise(batches, clean4):
+    t, eng, where = _two_windows(batches, second_closed=True)
+    for _ in range(STEPS):
+        t.train_step()
+    later = where[2:]
+    assert len(later) >= 4 and all(main for _, main in later), where  # the drain, on the main thread
+    assert eng.counts["held-left-to-later-windows"] >= 1 and eng.totals["detected"] == 0
+    assert equal(params(t), clean4)
+
+
+def test_a_wrong_update_whose_check_was_left_to_a_later_window_is_written_back_bitwise(batches, clean4):
+    t, eng, where = _two_windows(batches)
+    site = OpSite("aten._fused_adamw_*", "optimizer", 0, compute_only=True)
+    Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=2), seed=1).attach(t)
+    results = [t.train_step() for _ in range(STEPS)]
+    assert eng.totals["detected"] == 1 and eng.totals["repaired_optimizer"] == 1
+    assert (2, False) in where[2:]  # checked in the second window, as in the clean run
+    # step 0: profiled, then re-executed with the plan; step 3 read the wrong parameters: re-executed
+    assert [r.attempts for r in results] == [2, 1, 1, 2]
+    assert equal(params(t), clean4)
+
+
+def test_where_no_window_has_room_the_held_check_still_starts_in_one_rather_than_on_the_critical_path(batches, clean4):
+    # both windows 100 ms: no later one has room, so the first starts it (the step waits only for its overrun; the
+    # drain would take all of it)
+    t, eng, where = _two_windows(batches, second_s=0.1)
+    for _ in range(STEPS):
+        t.train_step()
+    assert len(where) >= 6 and all(w == (1, False) for w in where), where
+    assert "held-left-to-later-windows" not in eng.counts
+    assert equal(params(t), clean4)
