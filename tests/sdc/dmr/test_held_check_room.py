@@ -100,3 +100,17 @@ def test_where_no_window_has_room_the_held_check_still_starts_in_one_rather_than
     assert len(where) >= 6 and all(w == (1, False) for w in where), where
     assert "held-left-to-later-windows" not in eng.counts
     assert equal(params(t), clean4)
+
+
+def test_two_faults_at_once_a_wrong_update_and_a_backward_fault_in_the_step_that_checks_it_end_bitwise(batches, clean4):
+    # step 1's update is wrong (its check, left to step 2's second window, writes it back) and step 2's backward is
+    # hit too: step 2 is retried once for both (it read the wrong parameters), nothing else is re-executed
+    t, eng, where = _two_windows(batches)
+    adam = OpSite("aten._fused_adamw_*", "optimizer", 0, compute_only=True)
+    Injector(Fault(adam, FaultModel("bitflip", field="exponent"), step=1), seed=1).attach(t)
+    Injector(Fault(OpSite("*", "backward", 23, compute_only=True), FaultModel("bitflip", field="exponent"), step=2),
+             seed=5).attach(t)
+    results = [t.train_step() for _ in range(STEPS)]
+    assert eng.totals["detected"] == 2 and eng.totals["repaired_optimizer"] == 1
+    assert [r.attempts for r in results] == [2, 1, 2, 1]
+    assert equal(params(t), clean4)

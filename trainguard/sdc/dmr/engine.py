@@ -708,7 +708,8 @@ class DMREngine:
 
     # ---- AGC segments (replayed from their boundary tensors, agc.py) ------------------------------
     def _index_plan(self) -> None:
-        """Which ops each AGC segment of the plan tapes (its forward and gradient ops)."""
+        """Which ops each AGC segment of the plan tapes (its forward and gradient ops), and the free time later
+        windows have (``_room_after``)."""
         self._agc_of: dict[str, Any] = {}
         for a in (self.plan.agc_segments if self.plan is not None else []):
             for op in (*a.forward_ops, *a.bw_ops):
