@@ -67,3 +67,22 @@ def test_a_library_still_removes_its_registrations_when_destroyed():
     assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "Python")
     lib._destroy()
     assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Python")
+
+
+def test_a_storage_keeps_one_python_object_for_its_lifetime_and_it_dies_with_the_storage():
+    """The engine knows the storages its ops wrote by a weak reference to each storage's Python object
+    (``DMREngine._storage_of``): torch keeps one such object per storage while the storage lives (every tensor on
+    it returns the same one), and frees it with the storage."""
+    import gc
+    import weakref
+
+    x = torch.randn(8)
+    ref = weakref.ref(x.untyped_storage())
+    assert ref() is x.untyped_storage() and x[2:].detach().untyped_storage() is ref()
+    gc.collect()
+    assert ref() is x.untyped_storage()  # (only the weak reference points at it from Python)
+    y = x.t()
+    del x
+    assert ref() is y.untyped_storage()
+    del y
+    assert ref() is None

@@ -398,8 +398,9 @@ class DMREngine:
         self.drain_s = 0.0  # time the end-of-iteration drain ran checkers on the main thread
         self._grads: dict[int, weakref.ref] = {}  # id -> a parameter's gradient (see _grad_swap)
         self._const: dict[int, weakref.ref] = {}  # id -> tensor (plain weak references, as ``_produced``)
-        # outputs of this attempt: id -> plain weak reference (no callback: a WeakValueDictionary's cost per entry,
-        # paid by every op of the step, was 50 ms a step); an id reused by a new tensor fails the identity test
+        # storages of this attempt's outputs: address -> plain weak reference to the storage (no callback: a
+        # WeakValueDictionary's cost per entry, paid by every op of the step, was 50 ms a step); an address reused by a
+        # new storage fails the identity test (see _produced_here)
         self._produced: dict[int, weakref.ref] = {}
         self._seq_owner: dict[int, tuple[str, str, bool, int]] = {}  # autograd seq -> (op id, block, dynamic, micro)
         self._last_seq = -1
@@ -566,12 +567,9 @@ class DMREngine:
         inf = dops.info(func)
         if inf.plain_view and not self._profiling and not self.cfg.coverage:
             # the hot path (most dispatched ops are views): nothing to check, record or settle. A view's output
-            # needs no entry in ``_produced`` where autograd tracks its ``_base`` (see _produced_here)
+            # shares its input's storage, so it needs no entry in ``_produced`` either (see _produced_here)
             self.counts["view"] += 1
-            out = func(*args, **kwargs)
-            if self.deferrable and not inf.tracks_base:
-                self._mark_produced(out)
-            return out
+            return func(*args, **kwargs)
         # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
         # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
         swap = self._grad_swap(func, args, kwargs) if inf.written and self.deferrable and self.cfg.swap_gradients \
@@ -591,12 +589,13 @@ class DMREngine:
         return out
 
     def _mark_produced(self, out: Any) -> None:
-        """Record ``out``'s tensors as computed in this attempt (see :meth:`_produced_here`)."""
-        if type(out) is torch.Tensor:  # (the common case, without the walk)
-            self._produced[id(out)] = weakref.ref(out)
-        else:
-            for t in dops.tensors(out):
-                self._produced[id(t)] = weakref.ref(t)
+        """Record the storages of ``out``'s tensors as written in this attempt (see :meth:`_produced_here`)."""
+        for t in ((out,) if type(out) is torch.Tensor else dops.tensors(out)):  # (the common case, without the walk)
+            try:
+                st = t.untyped_storage()
+            except RuntimeError:  # (a tensor without storage: nothing to keep by reference)
+                continue
+            self._produced[st.data_ptr()] = weakref.ref(st)
 
     def _dispatch(self, func, args: tuple, kwargs: dict, swap, inf: dops.OpInfo) -> Any:
         if inf.kind != "compute":
@@ -1401,15 +1400,16 @@ class DMREngine:
         clones: dict[int, torch.Tensor] | None = None
         nbytes = 0
         for t in (dops.call_tensors(args, kwargs) if ins is None else ins):
-            key = _storage_key(t)
+            key, mine = self._storage_of(t)
             if key not in self._param_storages:
-                if self._produced_here(t):
+                if mine:
                     by_ref.append((key, t))
                 else:
                     clones = clones if clones is not None else {}
                     c = clones.get(id(t))
                     if c is None:
                         c = clones[id(t)] = t.clone()
+                        self.counts["input-cloned"] += 1
                     t = c
                 nbytes += t.nbytes
             kept_ins.append(t)
@@ -1514,7 +1514,7 @@ class DMREngine:
         olds = []
         for t in gs:
             old = _alias(t)
-            self._produced[id(old)] = weakref.ref(old)
+            self._mark_produced(old)
             self._repoint(t)
             olds.append(old)
         queued = len(self.queue)
@@ -1575,9 +1575,21 @@ class DMREngine:
             tape.repoint(key, swap)
 
     def _produced_here(self, t: torch.Tensor) -> bool:
-        base = t._base if t._base is not None else t
-        ref = self._produced.get(id(base))
-        return ref is not None and ref() is base
+        """Whether ``t`` lives in a storage an op of this attempt wrote (its output, or any view or alias of it:
+        ``detach`` and ``_unsafe_view`` included, whose outputs autograd does not tie to their inputs)."""
+        return self._storage_of(t)[1]
+
+    def _storage_of(self, t: torch.Tensor) -> tuple[int, bool]:
+        """``t``'s storage key (see ``ops.storage_key``) and whether an op of this attempt wrote that storage. The
+        storage's Python object lives exactly as long as the storage (torch keeps one per storage), so the weak
+        reference kept for it dies with it, and a new storage at the same address is never taken for it."""
+        try:
+            st = t.untyped_storage()
+        except RuntimeError:  # (a tensor without storage: nothing can write into it)
+            return id(t), False
+        key = st.data_ptr()
+        ref = self._produced.get(key)
+        return key, ref is not None and ref() is st
 
     def _is_param(self, t: torch.Tensor) -> bool:
         try:

@@ -44,15 +44,9 @@ class OpInfo:
     written: tuple[tuple[int, str], ...]  # (position, name) of the arguments it writes
     unset: tuple[int, ...] = ()  # outputs left uninitialised when ``dropout_p`` (argument ``dropout_at``) is 0
     dropout_at: int = -1
-    # a view op that nothing checks (the engine's short path: no written argument), and whether autograd sets
-    # ``_base`` on its outputs (``detach`` and the view-like ops classify() adds do not)
+    # a view op that nothing checks (the engine's short path: no written argument). The engine returns it unchanged,
+    # so :func:`views_past_python` may send it past Python modes
     plain_view: bool = False
-    tracks_base: bool = False
-
-    @property
-    def skips_python(self) -> bool:
-        """A view the engine returns unchanged, which :func:`views_past_python` may send past Python modes."""
-        return self.plain_view and self.tracks_base
 
 
 # by the overload's id: an ``OpOverload`` hashes in Python (``__hash__`` is a method of its class), which every
@@ -60,7 +54,6 @@ class OpInfo:
 # here is never one reused by another object
 _INFO_BY_ID: dict[int, OpInfo] = {}
 _KEPT: list[Any] = []
-_UNTRACKED_VIEWS = ("aten.detach.default", "aten.alias.default", "aten.lift_fresh.default")
 # Outputs of the fused attention kernels (efficient, flash, cuDNN) that only carry the dropout RNG's state: the
 # kernels allocate them with ``at::empty`` and write nothing there when ``dropout_p`` is 0 (backward reads them
 # only when it is not).
@@ -78,19 +71,20 @@ def info(func) -> OpInfo:
             if dropout_at >= 0 else ()
         kind = classify(func)
         got = _INFO_BY_ID[id(func)] = OpInfo(
-            str(func), kind, rnd, written, unset, dropout_at, plain_view=kind == "view" and not written,
-            tracks_base=bool(getattr(func, "is_view", False)) and str(func) not in _UNTRACKED_VIEWS)
+            str(func), kind, rnd, written, unset, dropout_at, plain_view=kind == "view" and not written)
         _KEPT.append(func)
     return got
 
 
 @contextlib.contextmanager
 def views_past_python(keep: Iterable[str] = ()) -> Iterator[int]:
-    """While in this context, the view ops seen so far whose outputs autograd tracks (:attr:`OpInfo.skips_python`:
-    nothing written, ``_base`` set) skip every Python dispatch mode: a fallthrough kernel at the dispatcher's ``Python`` key
+    """While in this context, the view ops seen so far (:attr:`OpInfo.plain_view`: nothing written; ``alias`` and
+    ``_unsafe_view`` included) skip every Python dispatch mode: a fallthrough kernel at the dispatcher's ``Python`` key
     sends them straight to their kernels in C++. The DMR engine returns them unchanged (nothing to check, record or
-    settle), and taking them through Python cost about 20 us each (19 us a mode's floor, measured with torch's
-    profiler; about 3,200 of them a step per ``llama-60m`` pipeline stage). Yields how many ops go past.
+    settle: it knows a view's output by its storage), and taking them through Python cost about 20 us each (19 us a
+    mode's floor, measured with torch's profiler; about 3,500 of them a step per ``llama-60m`` pipeline stage).
+    ``detach`` is registered too, but torch 2.13 still hands it to Python modes (about 1,100 a step per stage there,
+    from activation checkpointing and autograd). Yields how many ops go past.
 
     The registration is process-wide, not per thread: every Python dispatch mode (the fault injector's too) and
     every ``__torch_dispatch__`` tensor subclass stops seeing these ops until the context exits, so callers enter
@@ -100,7 +94,7 @@ def views_past_python(keep: Iterable[str] = ()) -> Iterator[int]:
     ``fallthrough_kernel`` (public) and on ``Library._destroy`` (private, torch 2.13:
     ``tests/sdc/dmr/test_torch_private.py`` fails if it moves)."""
     keep = list(keep)
-    ops = [f for f in _KEPT if f.namespace == "aten" and _INFO_BY_ID[id(f)].skips_python
+    ops = [f for f in _KEPT if f.namespace == "aten" and _INFO_BY_ID[id(f)].plain_view
            and not torch._C._dispatch_has_kernel_for_dispatch_key(f.name(), "Python")
            and not any(fnmatch.fnmatchcase(str(f), k) for k in keep)]
     if not ops:

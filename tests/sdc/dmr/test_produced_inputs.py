@@ -1,0 +1,66 @@
+"""A deferred check keeps its inputs until its window: by reference where an op of the attempt wrote their storage
+(their version counters then catch an in-place change), as a copy where it did not (a pipeline's receive buffer is
+overwritten by the next transfer outside the dispatcher, without a version bump). The engine knows the storages its
+ops wrote, so a view or alias of an output (``detach`` and ``_unsafe_view`` included, whose outputs autograd does
+not tie to their inputs) needs no entry of its own and may skip the dispatch mode."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from trainguard.sdc.dmr import ops as dops
+from trainguard.sdc.dmr.config import DMRConfig
+from trainguard.sdc.dmr.engine import DMREngine
+
+
+def _engine() -> DMREngine:
+    eng = DMREngine(DMRConfig(enabled=True, checker_priority="normal"))
+    eng.deferrable = True  # (no plan: each forward op is deferred into the next window)
+    eng.needs_plan = lambda: False
+    return eng
+
+
+def test_an_output_and_every_alias_of_it_are_kept_by_reference_and_the_rest_is_copied():
+    eng = _engine()
+    w = torch.randn(32, 32)
+    eng._param_storages.add(dops.storage_key(w))  # (a parameter: neither kept nor copied)
+    outside = torch.randn(32, 32)  # made before the attempt, as a receive buffer is
+    aten = torch.ops.aten
+
+    def copies(x: torch.Tensor) -> int:
+        before = eng.counts["input-cloned"]
+        torch.mm(x, w)
+        return eng.counts["input-cloned"] - before
+
+    with eng.step_context(1):
+        a = torch.mm(w, w)
+        for x in (a, a.detach(), a.t(), a.view(-1).view(32, 32), aten._unsafe_view.default(a, [32, 32]),
+                  aten.alias.default(a), a.detach().t()):
+            assert copies(x) == 0
+        for x in (outside, outside.detach(), outside.t(), aten.alias.default(outside)):
+            assert copies(x) == 1
+        queued = len(eng.queue)
+        # the buffer written outside the dispatcher (as a transfer writes it) before the window: the checks read
+        # their copies, so none differs
+        outside.numpy()[:] += 1.0
+        eng.window("pp", lambda: time.sleep(0.05))
+    assert queued == 12 and eng.counts["checked-in-pp"] >= queued
+    assert eng.totals["detected"] == 0 and eng.totals["stale"] == 0
+
+
+def test_a_new_storage_at_a_freed_outputs_address_is_not_taken_for_it():
+    eng = _engine()
+    memory = np.zeros(64, dtype=np.float32)
+    x = torch.from_numpy(memory)
+    eng._mark_produced(x)
+    y = torch.from_numpy(memory)  # another storage at the same address (as the allocator reuses a freed block)
+    assert y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert eng._produced_here(x) and eng._produced_here(x[3:].detach())
+    assert not eng._produced_here(y)
+    del x
+    assert not eng._produced_here(y)
+    eng._mark_produced(y)
+    assert eng._produced_here(y)
