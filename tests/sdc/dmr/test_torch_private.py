@@ -86,3 +86,18 @@ def test_a_storage_keeps_one_python_object_for_its_lifetime_and_it_dies_with_the
     assert ref() is y.untyped_storage()
     del y
     assert ref() is None
+
+
+def test_an_op_overloads_call_is_still_its_private_entry_point_and_nothing_else():
+    """The engine calls ``OpOverload._op`` (the C++ entry point, private) instead of the overload itself
+    (``ops.OpInfo.call``): ``OpOverload.__call__`` does nothing but call it (torch 2.13)."""
+    import inspect
+
+    from trainguard.sdc.dmr import ops as dops
+
+    body = [ln.strip() for ln in inspect.getsource(torch._ops.OpOverload.__call__).splitlines()]
+    assert body[-1] == "return self._op(*args, **kwargs)" and not any(
+        ln and not ln.startswith(("def ", "return ", "#", ")")) for ln in body), body
+    a, b = torch.randn(3, 4), torch.randn(4, 2)
+    mm = torch.ops.aten.mm.default
+    assert dops.info(mm).call is mm._op and torch.equal(dops.info(mm).call(a, b), mm(a, b))

@@ -569,7 +569,7 @@ class DMREngine:
             # the hot path (most dispatched ops are views): nothing to check, record or settle. A view's output
             # shares its input's storage, so it needs no entry in ``_produced`` either (see _produced_here)
             self.counts["view"] += 1
-            return func(*args, **kwargs)
+            return inf.call(*args, **kwargs)
         # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
         # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
         swap = self._grad_swap(func, args, kwargs) if inf.written and self.deferrable and self.cfg.swap_gradients \
@@ -1941,13 +1941,14 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 def _primary(func, args, kwargs, inf: dops.OpInfo | None = None):
     """The op's primary execution: an op of the step as far as the fault injector is concerned. ``inf``: the op's
     :func:`~trainguard.sdc.dmr.ops.info`, where the caller has it."""
+    inf = inf if inf is not None else dops.info(func)
     before = _INJECTOR_FLAG.active
     _INJECTOR_FLAG.active = False
     try:
-        out = func(*args, **kwargs)
+        out = inf.call(*args, **kwargs)
     finally:
         _INJECTOR_FLAG.active = before
-    if (inf if inf is not None else dops.info(func)).unset:
+    if inf.unset:
         with checker_execution():  # (zeroing what the kernel left unset is the engine's work, not an op of the step)
             dops.clear_unset(func, args, kwargs, out)
     return out

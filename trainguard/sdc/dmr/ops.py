@@ -47,6 +47,9 @@ class OpInfo:
     # a view op that nothing checks (the engine's short path: no written argument). The engine returns it unchanged,
     # so :func:`views_past_python` may send it past Python modes
     plain_view: bool = False
+    # the op's C++ entry point (``OpOverload._op``, private): what ``OpOverload.__call__`` calls, without its Python
+    # frame, which every dispatched op paid once more for its primary execution
+    call: Any = None
 
 
 # by the overload's id: an ``OpOverload`` hashes in Python (``__hash__`` is a method of its class), which every
@@ -71,7 +74,8 @@ def info(func) -> OpInfo:
             if dropout_at >= 0 else ()
         kind = classify(func)
         got = _INFO_BY_ID[id(func)] = OpInfo(
-            str(func), kind, rnd, written, unset, dropout_at, plain_view=kind == "view" and not written)
+            str(func), kind, rnd, written, unset, dropout_at, plain_view=kind == "view" and not written,
+            call=getattr(func, "_op", func))
         _KEPT.append(func)
     return got
 
@@ -83,8 +87,9 @@ def views_past_python(keep: Iterable[str] = ()) -> Iterator[int]:
     sends them straight to their kernels in C++. The DMR engine returns them unchanged (nothing to check, record or
     settle: it knows a view's output by its storage), and taking them through Python cost about 20 us each (19 us a
     mode's floor, measured with torch's profiler; about 3,500 of them a step per ``llama-60m`` pipeline stage).
-    ``detach`` is registered too, but torch 2.13 still hands it to Python modes (about 1,100 a step per stage there,
-    from activation checkpointing and autograd). Yields how many ops go past.
+    ``detach`` is registered too, but still reaches the modes: while one is active, torch's
+    ``TensorImpl::shallow_copy_and_detach`` calls it with ``aten.detach`` directly, past the dispatcher (about 1,100
+    a step per stage there, from activation checkpointing and autograd). Yields how many ops go past.
 
     The registration is process-wide, not per thread: every Python dispatch mode (the fault injector's too) and
     every ``__torch_dispatch__`` tensor subclass stops seeing these ops until the context exits, so callers enter
