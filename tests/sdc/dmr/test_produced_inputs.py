@@ -64,3 +64,29 @@ def test_a_new_storage_at_a_freed_outputs_address_is_not_taken_for_it():
     assert not eng._produced_here(y)
     eng._mark_produced(y)
     assert eng._produced_here(y)
+
+
+def test_the_copy_made_before_a_transfer_writes_a_kept_input_is_no_op_of_the_step():
+    """A transfer writes its buffer outside the dispatcher: a queued check that keeps that buffer by reference gets
+    its own copy first. The copy is the engine's work: a fault injector counts (and corrupts) only the step's ops."""
+    import torch.distributed as dist
+
+    from trainguard.faults.injector import Injector
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        eng = _engine()
+        w = torch.randn(16, 16)
+        eng._param_storages.add(dops.storage_key(w))
+        injector = Injector([], seed=0)
+        injector.count_ops = True
+        with injector.step_context(0), eng.step_context(0):  # (the injector outermost, as the trainer orders them)
+            a = torch.mm(w, w)
+            torch.mm(a, w)  # deferred: keeps ``a`` by reference
+            dist.all_reduce(a)  # writes ``a`` as a transfer does
+            eng.window("pp", lambda: time.sleep(0.05))
+        assert eng.counts["kept-input-copied"] == 1
+        assert injector.op_counts == {(0, "forward"): 2}
+        assert eng.totals["detected"] == 0 and eng.totals["stale"] == 0
+    finally:
+        dist.destroy_process_group()

@@ -574,13 +574,15 @@ class DMREngine:
         # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
         swap = self._grad_swap(func, args, kwargs) if inf.written and self.deferrable and self.cfg.swap_gradients \
             and not self._profiling else None
-        if self._later_by_storage or self._kept_by_storage:
-            # (an op on a gradient that will be swapped writes nothing: settled only if it is not, in _dispatch)
-            if (inf.written and swap is None) or inf.kind == "comm":
-                self._settle_written(func, args, kwargs, every=inf.kind == "comm")
         before = _INJECTOR_FLAG.active
         _INJECTOR_FLAG.active = True  # (checker_execution(), without a context manager per op)
         try:
+            if self._later_by_storage or self._kept_by_storage:
+                # fingerprints and copies the engine takes before the op writes (the engine's work, so inside the
+                # flag: a copy made for a transfer is no op of the step, and whether one is made depends on timing).
+                # An op on a gradient that will be swapped writes nothing: settled only if it is not, in _dispatch
+                if (inf.written and swap is None) or inf.kind == "comm":
+                    self._settle_written(func, args, kwargs, every=inf.kind == "comm")
             out = self._dispatch(func, args, kwargs, swap, inf)
         finally:
             _INJECTOR_FLAG.active = before
@@ -1323,7 +1325,7 @@ class DMREngine:
         else:
             raise RuntimeError(f"dmr: the state at the start of step {step} is no longer kept (two faults at once: a "
                                "wrong update and a carried check that differs); restart from the last checkpoint")
-        with torch.no_grad():
+        with torch.no_grad(), _checking():  # (the engine's own work: no op of the step)
             torch._foreach_copy_([self._pre[k][0] for k in keys], src)
         self._held, self._repair, self._carried = [], [], []
         self._carried_fifo.clear()
@@ -1335,7 +1337,7 @@ class DMREngine:
             msg, self._held_fatal = self._held_fatal, None
             raise SuspectedHardwareFault(msg)
         fixes, self._repair = self._repair, []
-        with torch.no_grad():
+        with torch.no_grad(), _checking():  # (the engine's own work: no op of the step)
             for fix, live in fixes:
                 torch._foreach_copy_([t for n in live for t in live[n]], [t for n in live for t in fix[n]])
 
