@@ -105,3 +105,19 @@ def test_writing_back_a_repaired_update_is_no_op_of_the_step():
         eng._apply_repair()
     assert all(torch.equal(a, b) for a, b in zip(live["param"], fix["param"]))
     assert injector.op_counts == {}
+
+
+def test_putting_the_state_back_for_a_re_execution_is_no_op_of_the_step():
+    from trainguard.faults.injector import Injector
+
+    eng = _engine()
+    live = [torch.zeros(4), torch.zeros(2, 3)]  # parameters and optimizer state as a wrong update left them
+    verified = [torch.ones(4), torch.full((2, 3), 2.0)]  # their copies from the start of the step
+    eng._pre = {("p", i): (t, c) for i, (t, c) in enumerate(zip(live, verified))}
+    eng._pre_start = 3
+    injector = Injector([], seed=0)
+    injector.count_ops = True
+    with injector.step_context(3):
+        eng.restore_before_update(3)
+    assert all(torch.equal(a, b) for a, b in zip(live, verified))
+    assert injector.op_counts == {}
