@@ -53,11 +53,35 @@ def test_backward_op_nan_reaches_grads_not_loss(batches):
 
 
 def test_optimizer_op_fault_reaches_params_only_through_the_update(batches):
-    fault = Fault(OpSite("aten.*", "optimizer", 0), FaultModel("inf"), step=0)
+    fault = Fault(OpSite("aten._fused_adamw*", "optimizer", 0), FaultModel("inf"), step=0)
     t, inj, (r,) = run(batches, fault)
     (rec,) = inj.records
     assert rec.phase == "optimizer"
+    assert rec.target.startswith("aten._fused_adamw")  # (the update's own op: the norm before it is optimizer too)
     assert math.isfinite(r.loss) and math.isfinite(r.grad_norm)
+
+
+def test_gradient_clipping_is_in_the_optimizer_phase(batches):
+    """The trainer's update stage (the gradient norm, clipping, the optimizer step) is the ``optimizer`` phase, as the
+    DMR engine counts it: a retried or later step's forward is ``forward`` again."""
+    counts = {}
+    for clip in ("0", "1.0"):
+        t = trainer(batches, "--train.grad_clip", clip)
+        inj = Injector([], seed=0).attach(t)
+        inj.count_ops = True
+        t.train_step()
+        t.train_step()
+        counts[clip] = inj.op_counts
+    assert counts["0"][(0, "forward")] == counts["1.0"][(0, "forward")] == counts["1.0"][(1, "forward")]
+    assert counts["1.0"][(0, "optimizer")] > counts["0"][(0, "optimizer")]  # clipping's scale: one more list op
+    norm = Fault(OpSite("aten._foreach_norm*", "optimizer", 0), FaultModel("inf"), step=0)
+    t, inj, (r,) = run(batches, norm, "--train.grad_clip", "1.0")
+    (rec,) = inj.records
+    assert rec.phase == "optimizer" and rec.target.startswith("aten._foreach_norm")
+    assert not math.isfinite(r.grad_norm)
+    _, inj, _ = run(batches, Fault(OpSite("aten._foreach_norm*", "forward", 0), FaultModel("inf"), step=0),
+                    "--train.grad_clip", "1.0")
+    assert inj.records == [] and len(inj.unfired()) == 1
 
 
 def test_recompute_ops_are_labelled_and_reachable(batches):
@@ -203,3 +227,15 @@ def test_an_op_returning_a_tuple_has_one_of_its_floating_point_results_corrupted
     assert ("aten.max.dim", 1) not in targets  # the indices
     # the draw reaches more than the first result (attention's log-sum-exp, the layer norm's weight gradient...)
     assert any(i > 0 for op, i in targets if op != "aten.max.dim")
+
+
+def test_an_attempt_retried_before_its_update_starts_in_the_forward_phase():
+    inj = Injector([], seed=0)
+    with inj.step_context(4):
+        assert inj.current_phase() == "forward"
+        inj.on_stage(None, "forward_backward", 4)  # a guard then asks for a retry: no "update" stage follows
+        assert inj.current_phase() == "optimizer"
+    with inj.step_context(4):
+        assert inj.current_phase() == "forward"
+        inj.on_stage(None, "plan", 4)
+        assert inj.current_phase() == "forward"

@@ -18,7 +18,10 @@ Phase tracking (why it is robust): ``backward`` is "inside an autograd graph tas
 (``torch._C._current_graph_task_id() != -1``), which holds for every op the engine runs, whatever the
 loss; ``recompute`` is set by the recompute context that ``checkpoint_context_fn()`` hands to
 ``torch.utils.checkpoint`` (non-reentrant checkpointing replays the forward inside backward);
-``optimizer`` is set by the optimizer's step pre/post hooks; anything else in the step is ``forward``.
+``optimizer`` is the update stage: with a Trainer, from the end of its forward/backward (the trainer's
+``on_stage`` callback) to the end of the optimizer step, so gradient clipping is in it, as the DMR engine counts
+it; in a custom loop, the optimizer's step pre/post hooks (or ``with injector.phase("optimizer")``). Anything
+else in the step is ``forward``.
 
 Checker executions of a redundancy scheme (DMR runs every op twice) are not ops of the step: inside
 ``with checker_execution():`` the injector neither counts nor corrupts. ``attach`` puts the injector's
@@ -218,6 +221,7 @@ class Injector:
         self.fired: set[int] = set()
         self.step: int | None = None
         self._optimizer_phase = False
+        self._update_stage = False  # a Trainer's update stage (clipping, optimizer): see on_stage
         self._recompute_depth = 0
         self._counts: dict[tuple[int, str], int] = {}
         self._model: torch.nn.Module | None = None
@@ -233,7 +237,17 @@ class Injector:
     def attach(self, trainer) -> Injector:
         self.attach_model(trainer.model, trainer.optimizer)
         trainer.step_contexts.insert(0, self.step_context)  # outermost: faults happen below any verifier
+        trainer.callbacks.append(self)  # (on_stage: where the update stage starts)
+        self._handles.append(lambda: trainer.callbacks.remove(self) if self in trainer.callbacks else None)
         return self
+
+    def on_stage(self, trainer, stage: str, step: int) -> None:
+        """The Trainer's stage callback: what follows its forward/backward (clipping, then the optimizer step) is
+        the ``optimizer`` phase; a retried attempt starts over in ``step_context``."""
+        if stage == "forward_backward":
+            self._update_stage = True
+        elif stage == "update":
+            self._update_stage = False
 
     def attach_model(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Injector:
         self._model, self._optimizer = model, optimizer
@@ -265,6 +279,7 @@ class Injector:
     def step_context(self, step: int) -> Iterator[None]:
         """Active around forward + backward + optimizer step of ``step``."""
         self.step, self._counts, self._fired_attempt = step, {}, set()
+        self._update_stage = False
         self._fire_tensor_sites("param")
         _ACTIVE.append(self)
         try:
@@ -272,6 +287,7 @@ class Injector:
                 yield
         finally:
             _ACTIVE.remove(self)
+            self._update_stage = False
         self.step = None
 
     def checkpoint_context_fn(self):
@@ -300,7 +316,7 @@ class Injector:
 
     # ---- phase ----------------------------------------------------------------------------------------
     def current_phase(self) -> str:
-        if self._optimizer_phase:
+        if self._optimizer_phase or self._update_stage:
             return "optimizer"
         if self._recompute_depth:
             return "recompute"
