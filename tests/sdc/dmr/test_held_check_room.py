@@ -22,13 +22,13 @@ def clean4(batches):
     return clean_params(batches, *ACCUM, steps=STEPS)
 
 
-def _two_windows(batches, second_closed: bool = False, second_s: float = 0.8):
+def _two_windows(batches, second_closed: bool = False, second_s: float = 0.8, first_s: float = 0.1):
     """A trainer whose held checks take 150 ms a call, and where each ran: (window count of the attempt, whether on
     the main thread). ``second_closed``: after profiling, the second window of a step is closed before any of its
     checks starts (a transfer already done), so what was left to it goes to the drain. ``second_s``: the second
-    window's length."""
+    window's length, ``first_s`` the first's."""
     t = trainer(batches, *ACCUM)
-    lengths = [0.1, second_s]
+    lengths = [first_s, second_s]
     n = [0]
 
     def transfer():
@@ -92,13 +92,14 @@ def test_a_wrong_update_whose_check_was_left_to_a_later_window_is_written_back_b
 
 
 def test_where_no_window_has_room_the_held_check_still_starts_in_one_rather_than_on_the_critical_path(batches, clean4):
-    # both windows 100 ms: no later one has room, so the first starts it (the step waits only for its overrun; the
-    # drain would take all of it)
-    t, eng, where = _two_windows(batches, second_s=0.1)
+    # both windows 250 ms, shorter than the held check: no later one has room, so a window starts it (the step
+    # waits only for its overrun; the drain would take all of it). The first, unless it closed before its worker
+    # got to the held check (the previous iteration's carried checks run first): on a loaded host it is left to the
+    # second, which has no later room either. (At 100 ms, three busy processes beside this one closed both first.)
+    t, eng, where = _two_windows(batches, first_s=0.25, second_s=0.25)
     for _ in range(STEPS):
         t.train_step()
-    assert len(where) >= 6 and all(w == (1, False) for w in where), where
-    assert "held-left-to-later-windows" not in eng.counts
+    assert len(where) >= 6 and all(not main for _, main in where), where
     assert equal(params(t), clean4)
 
 
