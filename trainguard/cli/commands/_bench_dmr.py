@@ -31,8 +31,8 @@ def register_bench(subparsers) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per round and system (default 2)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--system-warmup", type=int, default=8,
-                   help="untimed steps of each system before the first round, at most (default 8): they stop after "
+    p.add_argument("--system-warmup", type=int, default=16,
+                   help="untimed steps of each system before the first round, at most (default 16): they stop after "
                         "two in a row that each add fewer than 2,000 page faults a rank (its heap has reached its peak; "
                         "the first round would otherwise pay for the growth)")
     p.add_argument("--switch-warmup", type=int, default=1,
