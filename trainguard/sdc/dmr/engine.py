@@ -158,6 +158,7 @@ class _Later:
 
 
 _storage_key = dops.storage_key
+_storage_or_none = dops.storage_of
 _ACCUMULATE_SEQ = 2**64 - 1  # the sequence number torch gives every AccumulateGrad node (UINT64_MAX)
 
 
@@ -593,11 +594,9 @@ class DMREngine:
     def _mark_produced(self, out: Any) -> None:
         """Record the storages of ``out``'s tensors as written in this attempt (see :meth:`_produced_here`)."""
         for t in ((out,) if type(out) is torch.Tensor else dops.tensors(out)):  # (the common case, without the walk)
-            try:
-                st = t.untyped_storage()
-            except RuntimeError:  # (a tensor without storage: nothing to keep by reference)
-                continue
-            self._produced[st.data_ptr()] = weakref.ref(st)
+            st = _storage_or_none(t)
+            if st is not None:  # (a tensor without storage: nothing to keep by reference)
+                self._produced[st.data_ptr()] = weakref.ref(st)
 
     def _dispatch(self, func, args: tuple, kwargs: dict, swap, inf: dops.OpInfo) -> Any:
         if inf.kind != "compute":
@@ -1585,19 +1584,16 @@ class DMREngine:
         """``t``'s storage key (see ``ops.storage_key``) and whether an op of this attempt wrote that storage. The
         storage's Python object lives exactly as long as the storage (torch keeps one per storage), so the weak
         reference kept for it dies with it, and a new storage at the same address is never taken for it."""
-        try:
-            st = t.untyped_storage()
-        except RuntimeError:  # (a tensor without storage: nothing can write into it)
+        st = _storage_or_none(t)
+        if st is None:  # (a tensor without storage: nothing can write into it)
             return id(t), False
         key = st.data_ptr()
         ref = self._produced.get(key)
         return key, ref is not None and ref() is st
 
     def _is_param(self, t: torch.Tensor) -> bool:
-        try:
-            return t.untyped_storage().data_ptr() in self._param_storages
-        except RuntimeError:
-            return False
+        st = _storage_or_none(t)
+        return st is not None and st.data_ptr() in self._param_storages
 
     def window(self, kind: str, wait: Callable[[], Any]) -> Any:
         """Run queued checkers while ``wait()`` waits on communication; returns what ``wait`` returns.

@@ -181,12 +181,19 @@ def bytes_of(ts: Iterable[torch.Tensor]) -> int:
     return n
 
 
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """``t``'s storage (torch keeps one Python object per storage, for as long as it lives), or None for a tensor
+    without one (nothing can write into it)."""
+    try:
+        return t.untyped_storage()
+    except RuntimeError:
+        return None
+
+
 def storage_key(t: torch.Tensor) -> int:
     """Which memory ``t`` lives in (its storage's address): tensors with the same key alias each other."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:  # (a tensor without storage: nothing can write into it)
-        return id(t)
+    st = storage_of(t)
+    return id(t) if st is None else st.data_ptr()
 
 
 # in-place elementwise ops and their out-of-place forms (see DMREngine._grad_swap)
