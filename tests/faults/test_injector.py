@@ -8,7 +8,7 @@ import torch
 
 from trainguard.config import load_config
 from trainguard.errors import TrainguardError
-from trainguard.faults import Fault, FaultModel, Injector, ModuleSite, OpSite, TensorSite
+from trainguard.faults import Fault, FaultModel, Injector, ModuleSite, OpSite, TensorSite, checker_execution
 from trainguard.train import Trainer
 
 SMALL = ["--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "2", "--model.ffn_hidden", "64",
@@ -239,3 +239,41 @@ def test_an_attempt_retried_before_its_update_starts_in_the_forward_phase():
         assert inj.current_phase() == "forward"
         inj.on_stage(None, "plan", 4)
         assert inj.current_phase() == "forward"
+
+
+def test_a_verifier_site_strikes_only_the_verifiers_own_ops_and_an_op_site_only_the_steps():
+    """``OpSite(verifier=True)`` counts the ops run inside ``checker_execution()`` (a verifier's second
+    executions, copies, fingerprints) and nothing else; an ordinary site counts the step's ops only. The record
+    says ``verifier`` for the phase."""
+    model = torch.nn.Linear(4, 4)
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    clean = a @ b
+
+    def step(inj):
+        with inj.step_context(0):
+            primary = a @ b
+            with checker_execution():
+                first, second = a @ b, a @ b
+            after = a @ b
+        return primary, first, second, after
+
+    inj = Injector(Fault(OpSite("aten.mm*", "any", 1, verifier=True), FaultModel("value", value=1e6)), seed=1)
+    primary, first, second, after = step(inj.attach_model(model))
+    (rec,) = inj.records
+    assert rec.phase == "verifier" and rec.occurrence == 1 and rec.new == 1e6 and rec.thread == "main"
+    assert torch.equal(primary, clean) and torch.equal(first, clean) and torch.equal(after, clean)
+    assert int((second != clean).sum()) == 1
+    inj = Injector(Fault(OpSite("aten.mm*", "any", 1), FaultModel("value", value=1e6)), seed=1)
+    primary, first, second, after = step(inj.attach_model(model))
+    (rec,) = inj.records
+    assert rec.phase == "forward" and torch.equal(first, clean) and torch.equal(second, clean)
+    assert int((after != clean).sum()) == 1  # the step's second op: the checker's were not counted
+    inj = Injector([], seed=1).attach_model(model)
+    inj.count_ops = inj.count_verifier = True
+    step(inj)
+    assert inj.op_counts == {(0, "forward"): 2, (0, "verifier"): 2}
+
+
+def test_a_verifier_site_has_no_phase_of_its_own():
+    with pytest.raises(TrainguardError, match="phase 'any'"):
+        OpSite("*", "backward", 0, verifier=True)

@@ -27,7 +27,11 @@ Checker executions of a redundancy scheme (DMR runs every op twice) are not ops 
 ``with checker_execution():`` the injector neither counts nor corrupts. ``attach`` puts the injector's
 mode *outermost* among the trainer's step contexts, so a verifier's mode entered later sits inside it:
 the verifier's primary execution passes through the injector (and may be corrupted, as real hardware
-would corrupt it) before the verifier compares it with its checker execution.
+would corrupt it) before the verifier compares it with its checker execution. An ``OpSite(verifier=True)``
+does the opposite: it counts and strikes only the verifier's own ops (its checker executions, copies,
+fingerprints), phase "any" and recorded as phase ``verifier``, to test that a fault in the checker never
+corrupts the state it guards. A verifier that runs checkers on another thread enters the modes around its own
+on that thread (the DMR engine's window worker does) so the injector sees them there too.
 
 For an in-place op (the fused AdamW update, ``add_``) the fault goes into one of the tensors it writes.
 
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -61,12 +66,19 @@ class OpSite:
     phase: str = "forward"
     occurrence: int = 0
     compute_only: bool = False  # count only ops that compute (not views, allocations or communication)
+    # strike a verifier's own work instead of the step's ops: its second executions, copies and fingerprints
+    # (inside ``checker_execution()``), on whatever thread it runs them. Hardware corrupts those as readily; a
+    # verifier must then still end with a correct state. Such ops have no phase of their own: ``phase`` is "any"
+    verifier: bool = False
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise TrainguardError(f"unknown phase {self.phase!r} (choose from {', '.join(PHASES)})")
         if self.occurrence < 0:
             raise TrainguardError(f"occurrence must be >= 0, got {self.occurrence}")
+        if self.verifier and self.phase != "any":
+            raise TrainguardError(f"a verifier op site counts the verifier's own ops, which have no phase: use phase "
+                                  f"'any', not {self.phase!r}")
 
 
 @dataclass
@@ -122,6 +134,7 @@ class InjectionRecord:
     new: float
     bit: int | None
     kind: str
+    thread: str = "main"  # "main", or "worker": another thread of the process (a verifier's window worker)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -131,7 +144,8 @@ class InjectionRecord:
 
 
 _CHECKER = ThreadFlag()
-_NOT_COMPUTE = ("aten.detach", "aten._unsafe_view", "aten.alias", "aten.lift_fresh", "aten.empty", "aten.new_empty")
+_NOT_COMPUTE = ("aten.detach", "aten._unsafe_view", "aten.alias", "aten.lift_fresh", "aten.empty", "aten.new_empty",
+                "aten.set_")  # (set_: a tensor takes another storage, no value is computed)
 
 
 def is_compute_op(func) -> bool:
@@ -232,6 +246,10 @@ class Injector:
         self.op_counts: dict[tuple[int, str], int] = {}
         self._fired_attempt: set[int] = set()
         self._stuck: dict[int, int] = {}
+        # a verifier's own ops pass the injector only where a site strikes them or they are counted (op_counts'
+        # phase "verifier"); otherwise they return at once, as before there were such sites
+        self.count_verifier = False
+        self._verifier_sites = any(isinstance(f.site, OpSite) and f.site.verifier for f in self.faults)
 
     # ---- wiring -------------------------------------------------------------------------------------
     def attach(self, trainer) -> Injector:
@@ -351,11 +369,15 @@ class Injector:
         self._fired_attempt.add(i)
         if f.persistent:  # the same element every time, as a stuck unit would
             self._stuck[i] = index
+        thread = "main" if threading.current_thread() is threading.main_thread() else "worker"
         self.records.append(InjectionRecord(self.step, site, target, phase, occ, index, str(tensor.dtype).replace("torch.", ""),
-                                            old, new, bit, f.model.kind))
+                                            old, new, bit, f.model.kind, thread))
 
     def _on_op(self, func, out, args=(), kwargs=None) -> None:
-        if self.step is None or self._injecting or _CHECKER.active:
+        if self.step is None or self._injecting:
+            return
+        verifier = _CHECKER.active
+        if verifier and not (self._verifier_sites or self.count_verifier):
             return
         if isinstance(out, torch.Tensor):
             if not out.is_floating_point():
@@ -368,11 +390,14 @@ class Injector:
         name = str(func)  # e.g. "aten.mm.default"
         compute = is_compute_op(func)
         phase = None
-        if self.count_ops and compute:
-            phase = self.current_phase()
+        if verifier:  # (its own thread may be a worker's: the step's phase does not apply)
+            phase = "verifier"
+        if (self.count_verifier if verifier else self.count_ops) and compute:
+            phase = phase or self.current_phase()
             self.op_counts[(self.step, phase)] = self.op_counts.get((self.step, phase), 0) + 1
         for i, f in enumerate(self.faults):
-            if not isinstance(f.site, OpSite) or not self._due(i, f) or (f.site.compute_only and not compute):
+            if not isinstance(f.site, OpSite) or f.site.verifier != verifier or not self._due(i, f) or \
+                    (f.site.compute_only and not compute):
                 continue
             if not fnmatch.fnmatchcase(name, f.site.pattern):
                 continue

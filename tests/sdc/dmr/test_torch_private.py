@@ -101,3 +101,40 @@ def test_an_op_overloads_call_is_still_its_private_entry_point_and_nothing_else(
     a, b = torch.randn(3, 4), torch.randn(4, 2)
     mm = torch.ops.aten.mm.default
     assert dops.info(mm).call is mm._op and torch.equal(dops.info(mm).call(a, b), mm(a, b))
+
+
+def test_a_thread_starts_without_modes_and_a_pushed_mode_sees_its_ops_until_popped():
+    """The window worker runs under the modes around the engine's (``engine._entered``): torch's private
+    ``_get_current_dispatch_mode_stack`` lists a thread's modes outermost first, a new thread has none, and
+    ``_push_mode`` / ``_pop_mode`` put one on that thread's stack alone."""
+    import threading
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from trainguard.sdc.dmr.engine import _entered
+
+    seen: list[str] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    outer, inner = Spy(), Spy()
+    found: dict[str, object] = {}
+
+    def worker():
+        found["fresh"] = _get_current_dispatch_mode_stack()
+        with _entered([outer]):
+            found["pushed"] = _get_current_dispatch_mode_stack()
+            torch.ones(2).mul(3)
+        found["popped"] = _get_current_dispatch_mode_stack()
+
+    with outer, inner:
+        assert _get_current_dispatch_mode_stack() == [outer, inner]
+        th = threading.Thread(target=worker)
+        th.start()
+        th.join()
+        assert _get_current_dispatch_mode_stack() == [outer, inner]  # (the main thread's stack is its own)
+    assert found == {"fresh": [], "pushed": [outer], "popped": []}
+    assert "aten.mul.Tensor" in seen

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
-from trainguard.sdc.dmr.campaign import PHASES, run_rank
+from trainguard.sdc.dmr.campaign import PHASES, VERIFIER, run_rank
 from trainguard.train.launch import run_workers, worker_error
 
 KEYS = ("trials", "detected", "masked", "silent", "unreached", "false_positives", "rollback_bitwise_equal")
@@ -21,7 +21,9 @@ def register_campaign(subparsers) -> None:
     p.add_argument("--model", default="llama-tiny", help="model preset (llama-tiny, llama-moe-tiny, ...)")
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--phase", default="any", choices=(*PHASES, "any"))
+    p.add_argument("--phase", default="any", choices=(*PHASES, "any", VERIFIER),
+                   help="where the faults go: a phase of the step, any of the four, or the DMR engine's own work "
+                        "(verifier: its checker executions, copies and fingerprints)")
     p.add_argument("--pp", type=int, default=1, choices=(1, 2), help="pipeline stages (2: two processes)")
     p.add_argument("--steps", type=int, default=3, help="training steps per trial (default 3)")
     p.add_argument("--dim", type=int, default=64, help="model width for the trials (default 64: fast)")

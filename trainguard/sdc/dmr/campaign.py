@@ -10,6 +10,12 @@ through the fault injector (in-place ops: of a tensor they write). Outcome class
 * ``masked``: not flagged and the final state equals the reference bitwise;
 * ``silent``: not flagged and the final state differs (silent data corruption);
 
+``--phase verifier`` strikes the engine's own work instead (``OpSite(verifier=True)``): its checker executions,
+copies and fingerprints, on the main thread or a window's worker, counted in the reference run like the step's
+ops. The fault is then a real hardware fault in the checker: flagged or not, the final state must still equal
+the reference (a detection re-executes the iteration; the state the engine keeps for that must not be the
+corrupted copy). ``any`` means the four phases of the step, as before.
+
 ``rollback_bitwise_equal`` counts trials whose final parameters and optimizer state equal the fault-free
 run bitwise; ``false_positives`` counts detections in fault-free runs (the reference). Pipelines run
 inside each torchrun rank (``python -m trainguard.sdc.dmr.campaign OUT SPEC.json``).
@@ -34,6 +40,7 @@ from trainguard.train import Trainer, TrainerConfig
 from trainguard.utils import TaskBar
 
 PHASES = ("forward", "recompute", "backward", "optimizer")
+VERIFIER = "verifier"  # the engine's own ops (not part of "any")
 
 
 def _all(flag: bool, op=None) -> bool:
@@ -63,7 +70,8 @@ def _run(cfg, steps: int, fault: Fault | None, rank_of_fault: int, seed: int, co
     injector = None
     if count or (fault is not None and trainer.rank == rank_of_fault):
         injector = Injector([fault] if fault is not None else [], seed=seed).attach(trainer)
-        injector.count_ops = count
+        injector.count_ops = bool(count)
+        injector.count_verifier = count == VERIFIER
     for _ in range(steps):
         trainer.train_step()
     trainer.settle()  # checks still held (the last update's) complete before the outcome is read
@@ -76,22 +84,24 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = TrainerConfig.load(None, spec["overrides"])
     steps, trials, seed = spec["steps"], spec["trials"], spec["seed"]
     executor = spec.get("executor", "auto")
-    ref_trainer, ref_engine, counter, fp = _run(cfg, steps, None, -1, seed, count=True, executor=executor)
+    count = VERIFIER if spec["phase"] == VERIFIER else True
+    ref_trainer, ref_engine, counter, fp = _run(cfg, steps, None, -1, seed, count=count, executor=executor)
     first, plan = ref_trainer, ref_engine.plan
     if plan is not None:
         # The plan made from a profile depends on measured times, so every run of the campaign follows the
         # reference's plan: then the same ops run in every trial and a drawn site is always reached.
-        ref_trainer, ref_engine, counter, fp2 = _run(cfg, steps, None, -1, seed, count=True, plan=plan,
+        ref_trainer, ref_engine, counter, fp2 = _run(cfg, steps, None, -1, seed, count=count, plan=plan,
                                                          executor=executor)
         fp = fp or fp2
     reference = ref_trainer.state_dict_for_compare()
     world, rank = ref_trainer.world, ref_trainer.rank
     counts = _gather(counter.op_counts)  # every rank's compute ops per (step, phase)
     false_positives = int(_any(fp))
-    phases = [p for p in PHASES if spec["phase"] in ("any", p)]
+    phases = [VERIFIER] if spec["phase"] == VERIFIER else [p for p in PHASES if spec["phase"] in ("any", p)]
     rng = np.random.default_rng(seed)
     summary = {"trials": 0, "detected": 0, "masked": 0, "silent": 0, "unreached": 0, "false_positives": false_positives,
-               "rollback_bitwise_equal": 0, "by_phase": {p: {"trials": 0, "detected": 0} for p in phases}, "results": []}
+               "rollback_bitwise_equal": 0, "by_phase": {p: {"trials": 0, "detected": 0} for p in phases},
+               "faults_by_thread": {"main": 0, "worker": 0}, "results": []}
     bar = TaskBar(spec.get("progress", False) and rank == 0, f"campaign dmr {spec['model']}", trials)
     try:
         for trial in range(trials):
@@ -100,7 +110,9 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
                 raise RuntimeError(f"no compute op in phase(s) {', '.join(phases)} (activation checkpointing off?)")
             phase, step, frank = options[int(rng.integers(len(options)))]
             occurrence = int(rng.integers(counts[frank][(step, phase)]))
-            fault = Fault(OpSite("*", phase, occurrence, compute_only=True), FaultModel("bitflip", field="any"), step=step)
+            site = OpSite("*", "any", occurrence, compute_only=True, verifier=True) if phase == VERIFIER else \
+                OpSite("*", phase, occurrence, compute_only=True)
+            fault = Fault(site, FaultModel("bitflip", field="any"), step=step)
             trainer, engine, injector, detected = _run(cfg, steps, fault, frank, seed * 1_000_003 + trial,
                                                               plan=plan, executor=executor)
             state = trainer.state_dict_for_compare()
@@ -114,6 +126,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             summary[outcome] += 1
             summary["unreached"] += int(not fired)
             summary["rollback_bitwise_equal"] += int(equal)
+            if records:  # (a window's worker runs checks: the verifier's ops there are reached too)
+                summary["faults_by_thread"][records[0]["thread"]] += 1
             summary["by_phase"][phase]["trials"] += 1
             summary["by_phase"][phase]["detected"] += int(detected)
             summary["results"].append({"trial": trial, "phase": phase, "step": step, "rank": frank,

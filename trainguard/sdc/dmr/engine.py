@@ -41,7 +41,10 @@ Attach with :func:`attach` (or ``[sdc.dmr] enabled = true``). The engine then
   re-executes it; the same op failing again on the re-execution is reported as suspected persistent
   hardware (exit 3).
 
-Relies on torch (``TorchDispatchMode``, autograd sequence numbers, module and optimizer hooks, threads).
+Relies on torch (``TorchDispatchMode``, autograd sequence numbers, module and optimizer hooks, threads) and on
+torch 2.13's private ``_should_skip_dynamo`` hook and ``_push_mode`` / ``_pop_mode`` /
+``_get_current_dispatch_mode_stack`` (the window worker's modes): ``tests/sdc/dmr/test_torch_private.py`` fails
+if they move.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils._pytree import tree_map
 
 from trainguard.errors import SuspectedHardwareFault
@@ -1129,18 +1132,23 @@ class DMREngine:
     def _held_optimizer(self, op_id: str, func, bound: dict[str, Any], lists: list[str]) -> None:
         written = [n for n in lists if n != "grads"]
         live = {n: list(bound[n]) for n in written}
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
         for n in written:
             small = all(t.numel() == 1 for t in live[n])
             for t in live[n]:
                 kept = self._pre.get(id(t))
                 if kept is None or kept[0] is not t:  # first update of this tensor: copied once
-                    self._pre[id(t)] = (t, t.detach().clone())
+                    self._pre[id(t)] = kept = (t, torch.empty_like(t))
                     self.counts["optimizer-state-copied"] += 1
                     self._pre_start = self.step
-                elif small:
-                    # scalars the optimizer changes outside this op (its step counters, incremented by their own
-                    # verified op just before): the copy takes them as this call reads them
-                    kept[1].copy_(t)
+                elif not small:
+                    continue
+                # (scalars the optimizer changes outside this op, its step counters, incremented by their own
+                # verified op just before: the copy takes them as this call reads them)
+                dst.append(kept[1])
+                src.append(t.detach())
+        self._copy_verified(dst, src)
         schema = func._schema.arguments
         _primary(func, tuple(bound[a.name] for a in schema if not a.kwarg_only),
                  {a.name: bound[a.name] for a in schema if a.kwarg_only and bound.get(a.name) is not None})
@@ -1150,6 +1158,22 @@ class DMREngine:
         self._held.append(_HeldUpdate(op_id, func, keep, written, self.step))
         self.counts["optimizer-held"] += 1
         return None
+
+    def _copy_verified(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        """``dst[i].copy_(src[i])``, compared bitwise with its source afterwards. Copies of the state that the engine
+        later writes back (the verified state before an update, which a rollback or a repair restores) are not
+        checks but state: a fault in one would be written into the parameters and optimizer state while the
+        engine reported it fixed. Copied once more where they differ; twice different, the device is suspect."""
+        if not dst:
+            return
+        for _ in range(2):
+            torch._foreach_copy_(dst, src)
+            if dops.bitwise_equal(dst, src):
+                return
+            self.counts["copy-fault"] += 1
+            self.totals["copy_faults"] += 1
+        raise SuspectedHardwareFault(f"two copies of the model state in step {self.step} differ from what they copied: "
+                                     "this device does not compute reliably")
 
     def _run_update(self, h: _HeldUpdate, state: dict[str, list[torch.Tensor]]) -> None:
         """Execute the held update on ``state`` (in place) with the inputs the primary read."""
@@ -1325,7 +1349,7 @@ class DMREngine:
             raise RuntimeError(f"dmr: the state at the start of step {step} is no longer kept (two faults at once: a "
                                "wrong update and a carried check that differs); restart from the last checkpoint")
         with torch.no_grad(), _checking():  # (the engine's own work: no op of the step)
-            torch._foreach_copy_([self._pre[k][0] for k in keys], src)
+            self._copy_verified([self._pre[k][0] for k in keys], src)
         self._held, self._repair, self._carried = [], [], []
         self._carried_fifo.clear()
         self.carried_bytes, self._rewind = 0, False
@@ -1338,7 +1362,7 @@ class DMREngine:
         fixes, self._repair = self._repair, []
         with torch.no_grad(), _checking():  # (the engine's own work: no op of the step)
             for fix, live in fixes:
-                torch._foreach_copy_([t for n in live for t in live[n]], [t for n in live for t in fix[n]])
+                self._copy_verified([t for n in live for t in live[n]], [t for n in live for t in fix[n]])
 
     def _state_event(self, event: str) -> None:
         """The trainer's state hook: settle before a read; before a write (a load, a restore) also drop the copies
@@ -1645,12 +1669,13 @@ class DMREngine:
                           wait: Callable[[], Any]) -> Any:
         closed = threading.Event()
         failed: list[BaseException] = []
+        outer = self._outer_modes()
 
         def work() -> None:
             if self.cfg.checker_priority == "idle":
                 _idle_priority()
             try:
-                with _checking():
+                with _entered(outer), _checking():
                     self._window_checks(wid, kind, todo, tapes, ran, lambda: not closed.is_set())
             except BaseException as err:  # handed to the main thread: a checker never fails silently
                 failed.append(err)
@@ -1701,6 +1726,16 @@ class DMREngine:
             self.window_log.append((wid, time.perf_counter() - t1, t1 - t0))
             if failed is not None:
                 raise failed
+
+    def _outer_modes(self) -> list[TorchDispatchMode]:
+        """The dispatch modes this thread entered before the engine's (a fault injector's, whose mode is outermost):
+        the window's worker runs its checkers under them too, as the main thread runs its own checks (a new thread
+        starts with no mode). Empty where the engine's mode is not entered (a window outside a step)."""
+        stack = _get_current_dispatch_mode_stack()
+        for i, m in enumerate(stack):
+            if type(m) is _DMRMode and m.engine is self:
+                return stack[:i]
+        return []
 
     def _plan_window(self, wid: str):
         try:
@@ -1920,6 +1955,21 @@ class DMREngine:
 
 def _all_tensors(out: Any) -> bool:
     return isinstance(out, torch.Tensor) or (isinstance(out, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in out))
+
+
+@contextlib.contextmanager
+def _entered(modes: list[TorchDispatchMode]) -> Iterator[None]:
+    """Push ``modes`` (outermost first) on this thread's dispatch-mode stack for a block. Through torch's private
+    ``_push_mode`` / ``_pop_mode``, not ``with mode``: entering a mode also appends to lists on the mode object and
+    sets module-wide flags, both shared with the thread that entered it; the push touches this thread's stack
+    only."""
+    for m in modes:
+        _push_mode(m)
+    try:
+        yield
+    finally:
+        for _ in modes:
+            _pop_mode()
 
 
 def _record_on(stream: Any, ts: list[torch.Tensor]) -> None:

@@ -1,0 +1,140 @@
+"""Faults in the DMR engine's own work (its checker executions, copies and fingerprints), injected through
+``OpSite(verifier=True)``. Hardware corrupts those as readily as the step's ops; flagged or not, the run must end
+bitwise equal to the fault-free one. The engine's window worker runs under the injector's mode (it enters the
+modes around its own), so faults reach the checkers it runs there as well."""
+
+from __future__ import annotations
+
+import threading
+from unittest import mock
+
+import pytest
+import torch
+
+from tests.sdc.dmr._windowed import clean_params, equal, params, small_batches, trainer, windowed
+from trainguard.faults import Fault, FaultModel, Injector, OpSite
+from trainguard.faults.injector import _CHECKER
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return small_batches()
+
+
+@pytest.fixture(scope="module")
+def clean(batches):
+    return clean_params(batches)
+
+
+class _Threads(Injector):
+    """Records on which thread each of the verifier's ``mm`` ran (``mms``: step, on a worker thread)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.mms: list[tuple[int, bool]] = []
+
+    def _on_op(self, func, out, args=(), kwargs=None):
+        if self.step is not None and _CHECKER.active and str(func).startswith("aten.mm"):
+            self.mms.append((self.step, threading.current_thread() is not threading.main_thread()))
+        return super()._on_op(func, out, args, kwargs)
+
+
+def _run(batches, fault: Fault | None, count: bool = False):
+    t = trainer(batches)
+    inj = _Threads([fault] if fault is not None else [], seed=5).attach(t)
+    inj.count_verifier = count
+    eng = windowed(t, "thread")
+    for _ in range(3):
+        t.train_step()
+    return t, eng, inj
+
+
+def test_a_fault_in_a_checker_on_the_window_worker_is_detected_and_the_run_ends_bitwise(batches, clean):
+    _, _, counted = _run(batches, None, count=True)
+    step1 = [on_worker for step, on_worker in counted.mms if step == 1]
+    assert True in step1, "no checker mm ran on the window's worker"
+    occurrence = step1.index(True)
+    fault = Fault(OpSite("aten.mm*", "any", occurrence, compute_only=True, verifier=True),
+                  FaultModel("bitflip", bit=30), step=1)
+    t, eng, inj = _run(batches, fault)
+    (rec,) = inj.records
+    assert rec.phase == "verifier" and rec.target.startswith("aten.mm") and rec.thread == "worker"
+    assert eng.totals["detected"] >= 1  # the checker disagreed with a correct primary: the iteration ran again
+    assert equal(params(t), clean)
+
+
+def test_a_fault_in_the_copy_of_the_state_before_the_held_update_is_copied_again_not_written_back(batches, clean):
+    """The first held update copies the parameters and optimizer state (what a rollback or a repair restores).
+    A fault in that copy, unverified, made the next held check disagree with the primary while the tie-breaker,
+    run from the same corrupted copy, agreed with the checker: the engine 'repaired' the parameters with wrong
+    values and reported the fault fixed. The copy is now compared with its source and taken again."""
+    fault = Fault(OpSite("aten._foreach_copy_*", "any", 0, verifier=True), FaultModel("value", value=1e6), step=0)
+    t, eng, inj = _run(batches, fault)
+    (rec,) = inj.records
+    assert rec.phase == "verifier" and rec.target.startswith("aten._foreach_copy_") and rec.thread == "main"
+    assert equal(params(t), clean)  # (the unverified copy: a 'repaired' update, not bitwise equal)
+    assert eng.totals["copy_faults"] == 1 and eng.totals["repaired_optimizer"] == 0
+
+
+def test_the_verifier_campaign_strikes_only_the_engines_work_and_every_trial_ends_bitwise(batches):
+    from tests.sdc.dmr.test_engine import SMALL
+    from trainguard.sdc.dmr.campaign import run_rank
+
+    overrides = [*SMALL, "--model.n_layers", "2", "--train.activation_checkpoint", "full", "--data.batch_size", "4"]
+    res = run_rank({"overrides": overrides, "trials": 6, "seed": 4, "phase": "verifier", "steps": 2, "model": "tiny"})
+    assert res["trials"] == 6 and res["silent"] == 0 and res["false_positives"] == 0
+    assert res["rollback_bitwise_equal"] == 6 and res["detected"] + res["masked"] == 6
+    fired = [r["fault"] for r in res["results"] if r["fault"]]
+    assert fired and all(f["phase"] == "verifier" for f in fired)
+    assert {r["phase"] for r in res["results"]} == {"verifier"}
+    assert sum(res["faults_by_thread"].values()) == len(fired)
+
+
+
+def _with_a_wrong_copy(eng, method: str) -> list[float]:
+    """The engine's ``method`` runs with ``torch._foreach_copy_`` writing one wrong element once (the first element
+    of the second tensor it writes that has more than one: a weight every token reads, where the first tensor is
+    the embedding, whose first row no byte of text selects); returns the list that records the value it overwrote."""
+    call, real, wrong = getattr(eng, method), torch._foreach_copy_, []
+
+    def faulty_copy(dst, src):
+        real(dst, src)
+        if not wrong:
+            target = next(d for d in dst[1:] if d.numel() > 1)
+            wrong.append(target.view(-1)[0].item())
+            target.view(-1)[0] += 1.0
+
+    def wrapped(*args, **kwargs):
+        with mock.patch.object(torch, "_foreach_copy_", faulty_copy):
+            return call(*args, **kwargs)
+
+    setattr(eng, method, wrapped)
+    return wrong
+
+
+@pytest.mark.parametrize("method, site, phase, carry", [
+    # a backward op of step 1 whose check is carried into step 2: both steps are re-executed from the verified
+    # state before step 1's update, which restore_before_update puts back
+    ("restore_before_update", "*", "backward", "unbounded"),
+    # a wrong held update of step 1, found by its check in step 2: the two executions that agree are written back.
+    # With nothing carried: a carried check would read the verified copy and catch a wrong write-back a step later
+    ("_apply_repair", "aten._fused_adamw_*", "optimizer", "windows"),
+])
+def test_a_fault_in_the_copy_that_writes_the_verified_state_back_is_copied_again(batches, method, site, phase, carry):
+    """Two faults: one in the step, and one wrong element written by the copy that puts the verified state back
+    afterwards (the trainer calls the engine between attempts, where no injector counts: the copy op itself is
+    made to write it). The copy is compared with its source and taken again; the run ends bitwise equal."""
+    from tests.sdc.dmr.test_engine import _held_trainer, _trainer
+
+    ref = _trainer(batches, "--train.activation_checkpoint", "full")  # (the held trainer's config, without DMR)
+    for _ in range(3):
+        ref.train_step()
+    t, eng = _held_trainer(batches, carry_budget=carry)
+    inj = Injector(Fault(OpSite(site, phase, 3 if phase == "backward" else 0, compute_only=True),
+                         FaultModel("bitflip", field="exponent"), step=1), seed=7).attach(t)
+    wrong = _with_a_wrong_copy(eng, method)
+    results = [t.train_step() for _ in range(3)]
+    assert len(inj.records) == 1 and len(wrong) == 1
+    assert [r.attempts for r in results] == [2, 1, 2]
+    assert equal(params(t), params(ref))
+    assert eng.totals["copy_faults"] == 1
