@@ -138,3 +138,51 @@ def test_a_fault_in_the_copy_that_writes_the_verified_state_back_is_copied_again
     assert [r.attempts for r in results] == [2, 1, 2]
     assert equal(params(t), params(ref))
     assert eng.totals["copy_faults"] == 1
+
+
+class _Copies(Injector):
+    """Counts the verifier's ``copy_`` ops of step 1 (``n``), as its ``aten.copy_*`` sites do."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.n = 0
+
+    def _on_op(self, func, out, args=(), kwargs=None):
+        if self.step == 1 and _CHECKER.active and str(func).startswith("aten.copy_"):
+            self.n += 1
+        return super()._on_op(func, out, args, kwargs)
+
+
+def test_a_fault_in_the_update_stages_copy_of_an_input_does_not_outvote_a_correct_primary(batches):
+    """Without windows the update is checked at once, in pieces: the checker and the tie-breaker both run on copies
+    of the op's inputs (the gradients), taken before the primary. A fault in such a copy made the two agree on a wrong
+    result against the correct primary, which the engine then overwrote ('repaired'). The tie-breaker's verdict
+    now stands only where those copies still equal the inputs; otherwise the primary's state is kept."""
+    from tests.sdc.dmr.test_engine import _trainer
+    from trainguard.sdc.dmr.config import DMRConfig
+    from trainguard.sdc.dmr.engine import attach
+
+    def run(fault):
+        t = _trainer(batches, "--train.activation_checkpoint", "full")
+        eng = attach(t, DMRConfig(enabled=True))
+        inj = _Copies([fault] if fault else [], seed=3).attach(t)
+        first_input: list[int] = []
+        copy = eng._copy
+
+        def spy(key, src):  # (the next copy_ the injector counts is this one)
+            if key[1] == "input" and inj.step == 1 and not first_input:
+                first_input.append(inj.n)
+            return copy(key, src)
+
+        eng._copy = spy
+        for _ in range(3):
+            t.train_step()
+        return t, eng, inj, first_input
+
+    ref, _, _, (occurrence,) = run(None)  # (DMR without faults: bitwise the run without DMR, tested elsewhere)
+    fault = Fault(OpSite("aten.copy_*", "any", occurrence, verifier=True), FaultModel("value", value=1e6), step=1)
+    t, eng, inj, _ = run(fault)
+    (rec,) = inj.records
+    assert rec.phase == "verifier" and rec.target.startswith("aten.copy_")
+    assert equal(params(t), params(ref))
+    assert eng.totals["copy_faults"] == 1 and eng.totals["repaired_optimizer"] == 0

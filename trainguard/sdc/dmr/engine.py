@@ -842,8 +842,8 @@ class DMREngine:
                 pre = [self._copy((i, "pre", t.shape, t.dtype), t) for i, t in enumerate(written)]
                 # the inputs too: the checker and a tie-breaker must see what the primary saw, whatever happens
                 # to the live tensors after it (a corrupted input would otherwise win the vote)
-                ins = {id(t): self._copy((i, "input", t.shape, t.dtype), t) for i, t in
-                       enumerate(t for t in dops.call_tensors(args, kwargs) if id(t) not in copies and t.dim() > 0)}
+                read = [t for t in dops.call_tensors(args, kwargs) if id(t) not in copies and t.dim() > 0]
+                ins = {id(t): self._copy((i, "input", t.shape, t.dtype), t) for i, t in enumerate(read)}
                 keep_in = lambda v: ins.get(id(v), v)
                 third_args, third_kwargs = dops.map_tensors(keep_in, args), dops.map_tensors(keep_in, kwargs)
                 copies.update(ins)
@@ -875,15 +875,24 @@ class DMREngine:
         if same:
             return out
         if repair and written:  # update stage: restore this op's writes and run it once more (the tie-breaker)
-            primary = [t.clone() for t in written]
+            primary, first = [t.clone() for t in written], out
             for t, p in zip(written, pre):
                 t.copy_(p)
             rng.rewind()
             out = func(*third_args, **third_kwargs)
             rng.forward()
-            if self._same(func, written, checked) or self._same(func, written, primary):
-                # two of three executions agree: the written state is theirs (a checker fault keeps the primary)
+            if self._same(func, written, primary):  # a checker fault: the primary's state, executed again
                 return self._repaired(out)
+            if self._same(func, written, checked):
+                # The tie-breaker sides with the checker, but both read the copies of the inputs: a fault in one of
+                # those copies would make them agree on a wrong result. Where a copy differs from the input (the
+                # primary read the input, and nothing between changes it), the primary stands
+                if all(dops.bitwise_equal(ins[id(t)], t) for t in read):
+                    return self._repaired(out)  # the primary was wrong: the written state is the other two's
+                self._copy_verified(written, primary)
+                self.counts["checker-fault"] += 1
+                self.totals["copy_faults"] += 1
+                return first
         elif repair:  # update stage, out-of-place op: a third execution decides, the result goes into ``out``
             rng.rewind()
             out3 = func(*args, **kwargs)
