@@ -1,7 +1,8 @@
 """Faults in the DMR engine's own work (its checker executions, copies and fingerprints), injected through
 ``OpSite(verifier=True)``. Hardware corrupts those as readily as the step's ops; flagged or not, the run must end
 bitwise equal to the fault-free one. The engine's window worker runs under the injector's mode (it enters the
-modes around its own), so faults reach the checkers it runs there as well."""
+modes around its own), so faults reach the checkers it runs there as well. Fixtures ``batches`` and ``clean``: the
+package's conftest (the windowed trainer's)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,9 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.sdc.dmr._windowed import clean_params, equal, params, small_batches, trainer, windowed
+from tests.sdc.dmr._windowed import equal, params, trainer, windowed
 from trainguard.faults import Fault, FaultModel, Injector, OpSite
 from trainguard.faults.injector import _CHECKER
-
-
-@pytest.fixture(scope="module")
-def batches():
-    return small_batches()
-
-
-@pytest.fixture(scope="module")
-def clean(batches):
-    return clean_params(batches)
 
 
 class _Threads(Injector):
