@@ -177,3 +177,65 @@ def test_a_fault_in_the_update_stages_copy_of_an_input_does_not_outvote_a_correc
     assert rec.phase == "verifier" and rec.target.startswith("aten.copy_")
     assert equal(params(t), params(ref))
     assert eng.totals["copy_faults"] == 1 and eng.totals["repaired_optimizer"] == 0
+
+
+def _tensor_lr(t) -> None:
+    """The learning rate as a tensor (``torch.optim`` then calls the fused kernels' ``tensor_lr`` overloads)."""
+    for g in t.optimizer.param_groups:
+        g["lr"] = torch.tensor(float(g["lr"]))
+
+
+class _ListCopies(Injector):
+    """Counts the verifier's ``_foreach_copy_`` ops of step 1 (``n``), as its ``aten._foreach_copy_*`` sites do."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.n = 0
+
+    def _on_op(self, func, out, args=(), kwargs=None):
+        if self.step == 1 and _CHECKER.active and str(func).startswith("aten._foreach_copy_"):
+            self.n += 1
+        return super()._on_op(func, out, args, kwargs)
+
+
+def test_with_the_learning_rate_a_tensor_the_update_is_held_and_a_fault_in_its_copy_cannot_outvote_it(batches):
+    """``lr`` as a tensor: the fused AdamW is ``_fused_adamw_.tensor_lr``, which the engine did not know as a fused
+    optimizer. It then checked the update at once while the plan still carried backward checks past it, expecting
+    it held: a clean run failed (a carried check read the updated parameters, and the state to rewind to was not
+    kept). Now the update is held as with a float ``lr``. The held check reads the ``lr`` the primary read from a
+    copy, which the checker and the tie-breaker share: a fault in it is caught when it is taken (with nothing
+    carried, which would also catch the wrong write-back a step later)."""
+    ref = trainer(batches)
+    _tensor_lr(ref)
+    for _ in range(3):
+        ref.train_step()
+
+    def run(fault, carry="windows"):
+        t = trainer(batches)
+        _tensor_lr(t)
+        inj = _ListCopies([fault] if fault else [], seed=3).attach(t)
+        eng = windowed(t, "thread", carry_budget=carry)
+        at: list[int] = []
+        copy = eng._copy_verified
+
+        def spy(dst, src):  # (the next _foreach_copy_ the injector counts is this one's)
+            if inj.step == 1 and not at and any(s is t.optimizer.param_groups[0]["lr"] for s in src):
+                at.append(inj.n)
+            return copy(dst, src)
+
+        eng._copy_verified = spy
+        results = [t.train_step() for _ in range(3)]
+        return t, eng, inj, at, results
+
+    for carry in ("unbounded", "windows"):  # (the default carries: the clean run that failed)
+        t, eng, _, at, results = run(None, carry)
+        assert eng.totals["detected"] == 0 and [r.attempts for r in results] == [2, 1, 1]
+        assert equal(params(t), params(ref))
+    (occurrence,) = at
+    fault = Fault(OpSite("aten._foreach_copy_*", "any", occurrence, verifier=True), FaultModel("value", value=1.0),
+                  step=1)
+    t, eng, inj, _, _ = run(fault)
+    (rec,) = inj.records
+    assert rec.phase == "verifier" and rec.target.startswith("aten._foreach_copy_") and rec.new == 1.0
+    assert equal(params(t), params(ref))
+    assert eng.totals["copy_faults"] == 1 and eng.totals["repaired_optimizer"] == 0

@@ -81,7 +81,9 @@ from trainguard.train.activation_checkpoint import add_checkpoint_context, set_c
 from trainguard.train.guards import StepGuard, Verdict
 from trainguard.utils.threadflag import ThreadFlag
 
-_FUSED_OPTIMIZERS = ("aten._fused_adamw_.default", "aten._fused_adam_.default")
+# (``tensor_lr``: the same kernels with the learning rate as a tensor, as torch.optim calls them for ``lr=Tensor``)
+_FUSED_OPTIMIZERS = frozenset(("aten._fused_adamw_.default", "aten._fused_adam_.default",
+                               "aten._fused_adamw_.tensor_lr", "aten._fused_adam_.tensor_lr"))
 _CHECKING = ThreadFlag()  # set while this thread runs deferred checkers
 _DEFERRED = ("d-inter", "d-intra", "agc")
 
@@ -1161,8 +1163,13 @@ class DMREngine:
         schema = func._schema.arguments
         _primary(func, tuple(bound[a.name] for a in schema if not a.kwarg_only),
                  {a.name: bound[a.name] for a in schema if a.kwarg_only and bound.get(a.name) is not None})
-        keep = {n: (v.clone() if isinstance(v, torch.Tensor) else list(v) if isinstance(v, (list, tuple)) else v)
-                for n, v in bound.items() if n not in written}  # (lr may be a tensor the schedule changes)
+        keep = {n: (list(v) if isinstance(v, (list, tuple)) else v) for n, v in bound.items() if n not in written}
+        # tensor hyper-parameters (lr may be a tensor the schedule changes) as this call read them; the checker and
+        # the tie-breaker both read the copy, so it is verified like the state's
+        hyper = [n for n, v in keep.items() if isinstance(v, torch.Tensor)]
+        copies = [torch.empty_like(keep[n]) for n in hyper]
+        self._copy_verified(copies, [keep[n] for n in hyper])
+        keep.update(zip(hyper, copies))
         keep.update(live)
         self._held.append(_HeldUpdate(op_id, func, keep, written, self.step))
         self.counts["optimizer-held"] += 1
