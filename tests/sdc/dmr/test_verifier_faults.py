@@ -131,15 +131,15 @@ def test_a_fault_in_the_copy_that_writes_the_verified_state_back_is_copied_again
     assert eng.totals["copy_faults"] == 1
 
 
-class _Copies(Injector):
-    """Counts the verifier's ``copy_`` ops of step 1 (``n``), as its ``aten.copy_*`` sites do."""
+class _Counts(Injector):
+    """Counts the verifier's ops of step 1 whose name starts with ``prefix`` (``n``), as a site of that pattern does."""
 
-    def __init__(self, *a, **k):
+    def __init__(self, prefix: str, *a, **k):
         super().__init__(*a, **k)
-        self.n = 0
+        self.prefix, self.n = prefix, 0
 
     def _on_op(self, func, out, args=(), kwargs=None):
-        if self.step == 1 and _CHECKER.active and str(func).startswith("aten.copy_"):
+        if self.step == 1 and _CHECKER.active and str(func).startswith(self.prefix):
             self.n += 1
         return super()._on_op(func, out, args, kwargs)
 
@@ -156,7 +156,7 @@ def test_a_fault_in_the_update_stages_copy_of_an_input_does_not_outvote_a_correc
     def run(fault):
         t = _trainer(batches, "--train.activation_checkpoint", "full")
         eng = attach(t, DMRConfig(enabled=True))
-        inj = _Copies([fault] if fault else [], seed=3).attach(t)
+        inj = _Counts("aten.copy_", [fault] if fault else [], seed=3).attach(t)
         first_input: list[int] = []
         copy = eng._copy
 
@@ -185,19 +185,6 @@ def _tensor_lr(t) -> None:
         g["lr"] = torch.tensor(float(g["lr"]))
 
 
-class _ListCopies(Injector):
-    """Counts the verifier's ``_foreach_copy_`` ops of step 1 (``n``), as its ``aten._foreach_copy_*`` sites do."""
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.n = 0
-
-    def _on_op(self, func, out, args=(), kwargs=None):
-        if self.step == 1 and _CHECKER.active and str(func).startswith("aten._foreach_copy_"):
-            self.n += 1
-        return super()._on_op(func, out, args, kwargs)
-
-
 def test_with_the_learning_rate_a_tensor_the_update_is_held_and_a_fault_in_its_copy_cannot_outvote_it(batches):
     """``lr`` as a tensor: the fused AdamW is ``_fused_adamw_.tensor_lr``, which the engine did not know as a fused
     optimizer. It then checked the update at once while the plan still carried backward checks past it, expecting
@@ -213,7 +200,7 @@ def test_with_the_learning_rate_a_tensor_the_update_is_held_and_a_fault_in_its_c
     def run(fault, carry="windows"):
         t = trainer(batches)
         _tensor_lr(t)
-        inj = _ListCopies([fault] if fault else [], seed=3).attach(t)
+        inj = _Counts("aten._foreach_copy_", [fault] if fault else [], seed=3).attach(t)
         eng = windowed(t, "thread", carry_budget=carry)
         at: list[int] = []
         copy = eng._copy_verified
