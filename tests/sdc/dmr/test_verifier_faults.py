@@ -17,6 +17,17 @@ from trainguard.faults import Fault, FaultModel, Injector, OpSite
 from trainguard.faults.injector import _CHECKER
 
 
+@pytest.fixture(scope="module")
+def clean_held(batches):
+    """The fault-free parameters for ``test_engine._held_trainer``'s configuration (without DMR)."""
+    from tests.sdc.dmr.test_engine import _trainer
+
+    ref = _trainer(batches, "--train.activation_checkpoint", "full")
+    for _ in range(3):
+        ref.train_step()
+    return params(ref)
+
+
 class _Threads(Injector):
     """Records on which thread each of the verifier's ``mm`` ran (``mms``: step, on a worker thread)."""
 
@@ -111,15 +122,13 @@ def _with_a_wrong_copy(eng, method: str) -> list[float]:
     # With nothing carried: a carried check would read the verified copy and catch a wrong write-back a step later
     ("_apply_repair", "aten._fused_adamw_*", "optimizer", "windows"),
 ])
-def test_a_fault_in_the_copy_that_writes_the_verified_state_back_is_copied_again(batches, method, site, phase, carry):
+def test_a_fault_in_the_copy_that_writes_the_verified_state_back_is_copied_again(batches, clean_held, method, site,
+                                                                                 phase, carry):
     """Two faults: one in the step, and one wrong element written by the copy that puts the verified state back
     afterwards (the trainer calls the engine between attempts, where no injector counts: the copy op itself is
     made to write it). The copy is compared with its source and taken again; the run ends bitwise equal."""
-    from tests.sdc.dmr.test_engine import _held_trainer, _trainer
+    from tests.sdc.dmr.test_engine import _held_trainer
 
-    ref = _trainer(batches, "--train.activation_checkpoint", "full")  # (the held trainer's config, without DMR)
-    for _ in range(3):
-        ref.train_step()
     t, eng = _held_trainer(batches, carry_budget=carry)
     inj = Injector(Fault(OpSite(site, phase, 3 if phase == "backward" else 0, compute_only=True),
                          FaultModel("bitflip", field="exponent"), step=1), seed=7).attach(t)
@@ -127,7 +136,7 @@ def test_a_fault_in_the_copy_that_writes_the_verified_state_back_is_copied_again
     results = [t.train_step() for _ in range(3)]
     assert len(inj.records) == 1 and len(wrong) == 1
     assert [r.attempts for r in results] == [2, 1, 2]
-    assert equal(params(t), params(ref))
+    assert equal(params(t), clean_held)
     assert eng.totals["copy_faults"] == 1
 
 

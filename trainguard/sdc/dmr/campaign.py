@@ -64,14 +64,16 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def _run(cfg, steps: int, fault: Fault | None, rank_of_fault: int, seed: int, count: bool = False, plan=None,
-         executor: str = "auto"):
+         executor: str = "auto", verifier: bool = False):
+    """One run with DMR on; ``count``: count compute ops per (step, phase), the engine's own ops too where
+    ``verifier``."""
     trainer = Trainer(cfg, progress=False)
     engine = attach(trainer, DMRConfig(enabled=True, executor=executor), plan=plan)
     injector = None
     if count or (fault is not None and trainer.rank == rank_of_fault):
         injector = Injector([fault] if fault is not None else [], seed=seed).attach(trainer)
-        injector.count_ops = bool(count)
-        injector.count_verifier = count == VERIFIER
+        injector.count_ops = count
+        injector.count_verifier = count and verifier
     for _ in range(steps):
         trainer.train_step()
     trainer.settle()  # checks still held (the last update's) complete before the outcome is read
@@ -84,20 +86,22 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = TrainerConfig.load(None, spec["overrides"])
     steps, trials, seed = spec["steps"], spec["trials"], spec["seed"]
     executor = spec.get("executor", "auto")
-    count = VERIFIER if spec["phase"] == VERIFIER else True
-    ref_trainer, ref_engine, counter, fp = _run(cfg, steps, None, -1, seed, count=count, executor=executor)
+    verifier = spec["phase"] == VERIFIER
+    ref_trainer, ref_engine, counter, fp = _run(cfg, steps, None, -1, seed, count=True, executor=executor,
+                                                verifier=verifier)
     first, plan = ref_trainer, ref_engine.plan
     if plan is not None:
         # The plan made from a profile depends on measured times, so every run of the campaign follows the
         # reference's plan: then the same ops run in every trial and a drawn site is always reached.
-        ref_trainer, ref_engine, counter, fp2 = _run(cfg, steps, None, -1, seed, count=count, plan=plan,
+        ref_trainer, ref_engine, counter, fp2 = _run(cfg, steps, None, -1, seed, count=True, plan=plan,
+                                                     verifier=verifier,
                                                          executor=executor)
         fp = fp or fp2
     reference = ref_trainer.state_dict_for_compare()
     world, rank = ref_trainer.world, ref_trainer.rank
     counts = _gather(counter.op_counts)  # every rank's compute ops per (step, phase)
     false_positives = int(_any(fp))
-    phases = [VERIFIER] if spec["phase"] == VERIFIER else [p for p in PHASES if spec["phase"] in ("any", p)]
+    phases = [VERIFIER] if verifier else [p for p in PHASES if spec["phase"] in ("any", p)]
     rng = np.random.default_rng(seed)
     summary = {"trials": 0, "detected": 0, "masked": 0, "silent": 0, "unreached": 0, "false_positives": false_positives,
                "rollback_bitwise_equal": 0, "by_phase": {p: {"trials": 0, "detected": 0} for p in phases},

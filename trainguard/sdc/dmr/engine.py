@@ -1307,10 +1307,7 @@ class DMREngine:
     def _before_update(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as it was before the held update: a parameter, or a view of one (a transposed weight), taken from
         the held copy of it; anything else as it is."""
-        try:
-            kept = self._pre_by_storage.get(t.untyped_storage().data_ptr())
-        except RuntimeError:
-            return t
+        kept = self._pre_by_storage.get(_storage_key(t))  # (no storage: its id, never a key here)
         if kept is None:
             return t
         p, c = kept
