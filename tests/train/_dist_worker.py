@@ -97,6 +97,13 @@ elif mode.startswith("dmradam:"):  # dmradam:R:K: a bit flip in what rank R's fu
     if trainer.rank == int(rank):
         site = OpSite("aten._fused_adamw_*", "optimizer", 0, compute_only=True)
         injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
+elif mode.startswith("dmrmany:"):  # dmrmany:K:P0,P1,...: a bit flip in each rank r's phase Pr ops at step K, all
+    # in the same step ("-": none on that rank), DMR on
+    _, step, phases = mode.split(":")
+    phase = phases.split(",")[trainer.rank]
+    if phase != "-":
+        site = OpSite("*", phase, 5 + trainer.rank, compute_only=True)
+        injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
 elif mode.startswith("dmrroute:"):  # dmrroute:R:K: rank R's first router output at step K pushed to 1e4 (routing)
     _, rank, step = mode.split(":")
     if trainer.rank == int(rank):
@@ -151,7 +158,7 @@ else:
     summary = trainer.run(n_steps)
 trainer.close()
 abft = handles["abft"].total() if "abft" in handles else {}
-fired = bool(mode.startswith(("abft:", "dmr:", "dmrocc:", "dmrloop:", "dmrsite:", "dmradam:", "dmrroute:", "dmragc:"))
+fired = bool(mode.startswith(("abft:", "dmr:", "dmrmany:", "dmrocc:", "dmrloop:", "dmrsite:", "dmradam:", "dmrroute:", "dmragc:"))
              and "injector" in globals()
              and injector.records)
 dmr = handles.get("dmr")
