@@ -75,6 +75,11 @@ def one_line_exit_2(capsys, argv, needle: str = "") -> str:
     (["--checkpoint.keep", "0"], "checkpoint.keep must be > 0"),
     (["--train.eval_every", "-1"], "train.eval_every must be >= 0"),
     (["--train.eval_batches", "0"], "train.eval_batches must be > 0"),
+    # NaN and the infinities are no value of any setting: refused by the loader, for every float key alike (a memory
+    # budget of inf used to end in a traceback from int(inf) when the engine sized its budget)
+    (["--train.lr", "nan"], "train.lr must be a finite number, got 'nan'"),
+    (["--sdc.dmr.enabled", "true", "--sdc.dmr.memory_budget_mb", "inf"], "sdc.dmr.memory_budget_mb must be a finite"),
+    (["--sdc.dmr.enabled", "true", "--sdc.dmr.optimizer_chunk_mb=-inf"], "sdc.dmr.optimizer_chunk_mb must be a finite"),
 ])
 def test_impossible_values_are_refused(capsys, place, no_training, override, needle):
     one_line_exit_2(capsys, base(place) + override, needle)
@@ -197,8 +202,9 @@ def _bad_value(key: str, data) -> str | None:
     text = st.text(max_size=8)
     if typ == "int":
         return data.draw(text.filter(lambda s: not _parses(int, s.strip())), label="int")
-    if typ == "float":
-        return data.draw(text.filter(lambda s: not _parses(float, s.strip())), label="float")
+    if typ == "float":  # text that is no float, or a float no setting means (NaN, the infinities, an overflow)
+        return data.draw(st.one_of(text.filter(lambda s: not _parses(float, s.strip())),
+                                   st.sampled_from(["nan", "NaN", "inf", "-inf", "Infinity", "1e999"])), label="float")
     if typ == "bool":
         return data.draw(text.filter(lambda s: s.strip().lower() not in _BOOL_WORDS), label="bool")
     if typ.startswith("one of "):
@@ -265,7 +271,8 @@ def bad_toml(draw):
     if kind == "types":
         key = draw(st.sampled_from(sorted(KEYS)), label="key")
         section, name = key.split(".", 1)
-        value = draw(st.sampled_from(['[1, 2]', '{ a = 1 }', '1979-05-27T07:32:00Z', '"x"', "3.5", "-7", "true"]))
+        value = draw(st.sampled_from(['[1, 2]', '{ a = 1 }', '1979-05-27T07:32:00Z', '"x"', "3.5", "-7", "true", "nan",
+                                      "inf", "-inf"]))
         typ = KEYS[key]
         accepts = {"int": ["-7"], "float": ["3.5", "-7"], "bool": ["true"], "str": ['"x"'],
                    "list[str]": [], "tuple[float, float, float]": []}.get(typ, ['"x"'] if typ.startswith("one of") else [])
@@ -319,3 +326,33 @@ def test_full_disk_is_one_line_exit_2_and_the_previous_checkpoint_survives(capsy
         verify(CheckpointManager(ck).latest())
     finally:
         disk.close()
+
+
+# ---- float flags of the other commands -------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ["bench", "dmr", "--memory-budget-mb", "inf"],  # was: every rank failed on int(inf) after the launch
+    ["bench", "mecefo", "--horizon-h", "inf"],  # was: the simulation never ended
+    ["plan", "dmr", "--window-fill", "nan"],
+    ["spare", "run", "--lr=-inf"],
+    ["plan", "cluster", "--gpus", "64", "--gpus-per-group", "8", "--mtbf-per-gpu-hours", "1000", "--restart-minutes",
+     "5", "--checkpoint-minutes", "1", "--max-days", "inf"],
+])
+def test_a_float_flag_given_nan_or_an_infinity_is_one_line_exit_2(capsys, argv):
+    one_line_exit_2(capsys, argv, "must be a finite number")
+
+
+def test_a_faults_value_may_still_be_nan_or_an_infinity():
+    from trainguard.cli.main import build_parser
+
+    for v in ("nan", "inf", "-inf"):
+        assert str(build_parser().parse_args(["inject", "--fault", "value", f"--value={v}"]).value) == v
+
+
+def test_the_dmr_config_refuses_nan_and_infinities_built_from_python():
+    from trainguard.errors import ConfigError
+    from trainguard.sdc.dmr.config import DMRConfig
+
+    for kw in ({"memory_budget_mb": float("nan")}, {"memory_budget_mb": float("inf")},
+               {"optimizer_chunk_mb": float("nan")}, {"tolerance_safety": float("inf")}, {"window_fill": float("nan")}):
+        with pytest.raises(ConfigError, match=next(iter(kw))):
+            DMRConfig(**kw).validate()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import re
 import tomllib
 import types
@@ -221,13 +222,19 @@ def type_name(typ: Any) -> str:
     return getattr(typ, "__name__", str(typ))
 
 
+class _NotFinite(ValueError):
+    """A float setting given NaN or an infinity: no setting means either, and a budget or a size computed from one
+    fails far from the input (``int(nan)``) or runs with a meaningless value."""
+
+
 def coerce(name: str, typ: Any, value: Any, from_text: bool) -> Any:
     """``value`` as ``typ`` (parsed from text when ``from_text``); ``ConfigError`` naming ``name`` otherwise."""
     try:
         return _coerce(typ, value, from_text)
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError, OverflowError) as e:
         shown = value if not isinstance(value, str) or len(value) < 60 else value[:57] + "..."
-        raise ConfigError(f"{name} must be {type_name(typ)}, got {shown!r}") from None
+        what = "a finite number" if isinstance(e, _NotFinite) else type_name(typ)
+        raise ConfigError(f"{name} must be {what}, got {shown!r}") from None
 
 
 def _coerce(typ: Any, value: Any, from_text: bool) -> Any:
@@ -284,6 +291,8 @@ def _coerce(typ: Any, value: Any, from_text: bool) -> Any:
             v = float(value)
         else:
             raise ValueError
+        if not math.isfinite(v):
+            raise _NotFinite
         return v
     if typ is str:
         if not isinstance(value, str):

@@ -19,7 +19,10 @@ def profile_path(tmp_path_factory):
 
 
 def _run(capsys, *argv):
-    rc = main(["plan", "dmr", *argv])
+    try:
+        rc = main(["plan", "dmr", *argv])
+    except SystemExit as e:  # argparse's own errors (a flag's type) end the process: one line, code 2
+        rc = e.code
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -92,7 +95,7 @@ def test_human_output(capsys, profile_path):
     (["--profile", "{good}", "--memory-budget", "lots"], "--memory-budget must be"),
     (["--profile", "{good}", "--window-fill", "0"], "--window-fill must be in (0, 1]"),
     (["--profile", "{good}", "--window-fill", "1.5"], "--window-fill must be in (0, 1]"),
-    (["--profile", "{good}", "--window-fill", "nan"], "--window-fill must be in (0, 1]"),
+    (["--profile", "{good}", "--window-fill", "nan"], "--window-fill: must be a finite number"),
     (["--profile", "{good}", "--model", "llama-tiny"], "either --profile or --model"),
     ([], "pass --profile"),
     (["--profile", "{good}", "--figure", "{good}.gif"], "--figure must end in"),

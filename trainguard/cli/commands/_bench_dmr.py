@@ -9,6 +9,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from trainguard.cli.args import finite_float
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.bench import SYSTEMS, merge, run_rank
@@ -21,7 +22,7 @@ def register_bench(subparsers) -> None:
     p = subparsers.add_parser("dmr", help="DMR throughput: No-DMR vs Naive-Only vs SpareTrain (and its phases)")
     p.add_argument("--model", default="llama-60m", help="model preset (default llama-60m)")
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (processes; default 2)")
-    p.add_argument("--idle-fraction", type=float, default=0.0,
+    p.add_argument("--idle-fraction", type=finite_float, default=0.0,
                    help="emulate a slower inter-stage link so No-DMR idles this share of its step (0: no emulation)")
     p.add_argument("--batch", type=int, default=8, help="sequences a step (default 8)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens a sequence (default 128)")
@@ -42,7 +43,7 @@ def register_bench(subparsers) -> None:
                    help="with --idle-fraction: re-set the emulated link after each round from that round's No-DMR idle "
                         "share, so the timed rounds stay at the target as the host's speed drifts (default on)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
-    p.add_argument("--memory-budget-mb", type=float, default=0.0,
+    p.add_argument("--memory-budget-mb", type=finite_float, default=0.0,
                    help="memory the deferred checks may hold per rank ([sdc.dmr] memory_budget_mb; 0: its default)")
     p.add_argument("--carry-budget", choices=CARRY_MODES, default=DMRConfig().carry_budget,
                    help="naive backward ops carried past the update ([sdc.dmr] carry_budget): unbounded (default: all) "

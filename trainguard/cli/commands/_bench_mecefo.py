@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainguard.cli.args import finite_float
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError
 
@@ -36,11 +37,11 @@ def register_bench(subparsers) -> None:
     p.add_argument("--run-grad-accum", type=int, default=1,
                    help="micro-batches of one worker's step, real runs (default 1: an out worker's step cannot spread)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurement rounds (default 3)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of the real runs (default 3e-3)")
+    p.add_argument("--lr", type=finite_float, default=3e-3, help="peak learning rate of the real runs (default 3e-3)")
     p.add_argument("--eval-batches", type=int, default=16, help="validation batches (default 16)")
-    p.add_argument("--quality-hours", type=float, default=4.0,
+    p.add_argument("--quality-hours", type=finite_float, default=4.0,
                    help="modelled hours the real runs' steps span (default 4)")
-    p.add_argument("--recovery-min", type=float, default=10.0,
+    p.add_argument("--recovery-min", type=finite_float, default=10.0,
                    help="minutes until a failed worker is back (default 10)")
     p.add_argument("--real-kills", type=int, default=1, help="failures of the real runs that are real SIGKILLs (default 1)")
     p.add_argument("--techniques", default="all",
@@ -55,12 +56,12 @@ def register_bench(subparsers) -> None:
                         "micro-batches, and an out worker's share spreads over up to that many neighbors)")
     p.add_argument("--exact-own", action="store_true", help="a neighbor computes its own micro-batches exactly")
     p.add_argument("--monitor-every", type=int, default=2, help="gradient-error sampling in the MeCeFO run (default 2)")
-    p.add_argument("--restart-min", type=float, default=5.0, help="checkpoint-restart: one global restart (default 5)")
-    p.add_argument("--checkpoint-s", type=float, default=30.0, help="checkpoint-restart: one checkpoint write (default 30)")
-    p.add_argument("--reconfig-s", type=float, default=30.0, help="Oobleck: one reconfiguration (default 30)")
-    p.add_argument("--detect-s", type=float, default=1.5, help="elastic methods: one failure detection (default 1.5)")
-    p.add_argument("--heal-s", type=float, default=10.0, help="elastic methods: one rejoin (default 10)")
-    p.add_argument("--horizon-h", type=float, default=1000.0, help="modelled hours of the throughput model (default 1000)")
+    p.add_argument("--restart-min", type=finite_float, default=5.0, help="checkpoint-restart: one global restart (default 5)")
+    p.add_argument("--checkpoint-s", type=finite_float, default=30.0, help="checkpoint-restart: one checkpoint write (default 30)")
+    p.add_argument("--reconfig-s", type=finite_float, default=30.0, help="Oobleck: one reconfiguration (default 30)")
+    p.add_argument("--detect-s", type=finite_float, default=1.5, help="elastic methods: one failure detection (default 1.5)")
+    p.add_argument("--heal-s", type=finite_float, default=10.0, help="elastic methods: one rejoin (default 10)")
+    p.add_argument("--horizon-h", type=finite_float, default=1000.0, help="modelled hours of the throughput model (default 1000)")
     p.add_argument("--no-quality", action="store_true", help="skip the real training runs")
     p.add_argument("--quality-methods", default="mecefo,bamboo,oobleck,checkpoint_restart",
                    help="methods with a real run under the preset (comma list; default all four)")

@@ -3,6 +3,7 @@ coverage (ATTNChecker Algorithm 1, trainguard.sdc.abft.frequency). Registered by
 
 from __future__ import annotations
 
+from trainguard.cli.args import finite_float
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 
 MODELS = {  # attention shape (hidden, heads, layers) and vulnerability profile
@@ -15,9 +16,9 @@ MODELS = {  # attention shape (hidden, heads, layers) and vulnerability profile
 
 def register_plan(subparsers) -> None:
     p = subparsers.add_parser("abft", help="ABFT check frequencies for an error rate and a target coverage")
-    p.add_argument("--error-rate", type=float, required=True,
+    p.add_argument("--error-rate", type=finite_float, required=True,
                    help="errors (INF, NaN or near-INF each) per flop, e.g. 2e-24")
-    p.add_argument("--target-coverage", type=float, default=1 - 1e-11,
+    p.add_argument("--target-coverage", type=finite_float, default=1 - 1e-11,
                    help="probability that a step's attention has no unhandled harmful error (default 1-1e-11)")
     p.add_argument("--model", default="bert", choices=sorted(MODELS))
     p.add_argument("--batch", type=int, default=8)

@@ -15,6 +15,7 @@ import importlib.util
 import re
 from pathlib import Path
 
+from trainguard.cli.args import finite_float
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.config import CARRY_MODES, DMRConfig
@@ -45,7 +46,7 @@ def register_plan(subparsers) -> None:
     p.add_argument("--pdmr-tail", choices=("defer", "recompute"), default="defer",
                    help="the ops of a P-DMR segment the recompute does not replay: defer (default: left to Phases "
                         "2-3, checked where they ran) or recompute (the paper's extra run on the critical path)")
-    p.add_argument("--window-fill", type=float, default=DMRConfig().window_fill,
+    p.add_argument("--window-fill", type=finite_float, default=DMRConfig().window_fill,
                    help="share of each communication window to fill with checks (default %(default)s, as [sdc.dmr] "
                         "window_fill; 1: all of it, the paper's)")
     p.add_argument("--carry", choices=CARRY_MODES, default=DMRConfig().carry_budget,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 
+from trainguard.cli.args import finite_float
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, progress, table
 from trainguard.errors import TrainguardError
 
@@ -113,7 +114,7 @@ def add_run_parser(sub) -> None:
     ru.add_argument("--tiny", action="store_true", help="a 1-layer, 32-wide model (fast on 2 cores)")
     ru.add_argument("--seq-len", type=int, default=32)
     ru.add_argument("--shard-batch", type=int, default=2, help="sequences per shard type")
-    ru.add_argument("--lr", type=float, default=1e-3)
+    ru.add_argument("--lr", type=finite_float, default=1e-3)
     ru.add_argument("--seed", type=int, default=0)
     ru.add_argument("--checkpoint-every", type=int, default=2)
     ru.add_argument("--run-dir", default=None, help="checkpoint folder (must not hold a checkpoint; default: temporary)")
@@ -128,8 +129,8 @@ def add_run_parser(sub) -> None:
                     help="a trainer setting for every group and the reference, e.g. train.dtype=bf16 (repeatable)")
     ru.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
                     help="how group processes start (forkserver imports torch once)")
-    ru.add_argument("--timeout", type=float, default=20.0, help="collective timeout in seconds")
-    ru.add_argument("--verify", type=float, nargs="?", const=0.0, default=None, metavar="TOL",
+    ru.add_argument("--timeout", type=finite_float, default=20.0, help="collective timeout in seconds")
+    ru.add_argument("--verify", type=finite_float, nargs="?", const=0.0, default=None, metavar="TOL",
                     help="compare the final parameters with the fault-free run; exit 1 if they differ by more "
                          "than TOL (default 0: bitwise)")
     add_json_flag(ru)

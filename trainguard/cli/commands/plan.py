@@ -22,6 +22,7 @@ import math
 import os
 from pathlib import Path
 
+from trainguard.cli.args import finite_float
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import TrainguardError
 
@@ -241,43 +242,43 @@ def register(subparsers) -> None:
     c = sub.add_parser("cluster", help="fastest fault-tolerance scheme, redundancy, checkpoint period (with intervals)")
     c.add_argument("--gpus", type=int, required=True)
     c.add_argument("--gpus-per-group", type=int, required=True, help="GPUs per data-parallel group (model replica)")
-    c.add_argument("--mtbf-per-gpu-hours", type=float, required=True,
+    c.add_argument("--mtbf-per-gpu-hours", type=finite_float, required=True,
                    help="per-GPU MTBF (Llama 3: 54*24*16384/419 = 50680 h)")
-    c.add_argument("--restart-minutes", type=float, required=True, help="global restart cost")
-    c.add_argument("--checkpoint-minutes", type=float, required=True, help="checkpoint save time")
+    c.add_argument("--restart-minutes", type=finite_float, required=True, help="global restart cost")
+    c.add_argument("--checkpoint-minutes", type=finite_float, required=True, help="checkpoint save time")
     w = c.add_argument_group("workload (step time = stack compute + all-reduce)")
-    w.add_argument("--stack-seconds", type=float, default=None,
+    w.add_argument("--stack-seconds", type=finite_float, default=None,
                    help="compute time of one stack (one shard per group); default 10 s, see docs/spare.md")
     w.add_argument("--steps", type=int, default=None, help="training steps; default 8640 (1 day of 10 s stacks)")
-    w.add_argument("--model-params", type=float, default=None,
+    w.add_argument("--model-params", type=finite_float, default=None,
                    help="model parameters (sets the gradient size; default: 6.67 GB of gradient per GPU)")
-    w.add_argument("--tokens-per-step", type=float, default=None, help="tokens per step (global batch)")
-    w.add_argument("--tokens", type=float, default=None, help="training tokens (steps = tokens / tokens-per-step)")
-    w.add_argument("--gpu-tflops", type=float, default=None,
+    w.add_argument("--tokens-per-step", type=finite_float, default=None, help="tokens per step (global batch)")
+    w.add_argument("--tokens", type=finite_float, default=None, help="training tokens (steps = tokens / tokens-per-step)")
+    w.add_argument("--gpu-tflops", type=finite_float, default=None,
                    help="achieved TFLOP/s per GPU; with --model-params and --tokens-per-step gives the step compute")
     nw = c.add_argument_group("network (alpha-beta all-reduce, trainguard.sim.collective)")
     nw.add_argument("--allreduce-algorithm", choices=("ring", "halving-doubling"), default="ring")
-    nw.add_argument("--hop-latency-us", type=float, default=5.0, help="alpha: latency per message (us)")
-    nw.add_argument("--gpu-bandwidth-gbps", type=float, default=200.0, help="beta: goodput per GPU link (Gb/s)")
-    nw.add_argument("--grad-bytes-per-param", type=float, default=2.0)
-    nw.add_argument("--allreduce-seconds", type=float, default=None, help="fixed all-reduce time (replaces alpha-beta)")
+    nw.add_argument("--hop-latency-us", type=finite_float, default=5.0, help="alpha: latency per message (us)")
+    nw.add_argument("--gpu-bandwidth-gbps", type=finite_float, default=200.0, help="beta: goodput per GPU link (Gb/s)")
+    nw.add_argument("--grad-bytes-per-param", type=finite_float, default=2.0)
+    nw.add_argument("--allreduce-seconds", type=finite_float, default=None, help="fixed all-reduce time (replaces alpha-beta)")
     f = c.add_argument_group("failures (trainguard.sim.failures)")
     f.add_argument("--failure-model", choices=("weibull", "exponential", "trace"), default="weibull")
-    f.add_argument("--weibull-shape", type=float, default=0.7)
+    f.add_argument("--weibull-shape", type=finite_float, default=0.7)
     f.add_argument("--renewal", choices=("restart", "failure"), default="restart",
                    help="Weibull clocks restart at every global restart (default) or only at a GPU's own failure")
     f.add_argument("--trace", default=None, help="failure trace CSV (time_s or time_h; optional gpu or group)")
-    f.add_argument("--repair-minutes", type=float, default=0.0, help="a failed group is usable again after this")
+    f.add_argument("--repair-minutes", type=finite_float, default=0.0, help="a failed group is usable again after this")
     f.add_argument("--hot-spares", type=int, default=0, help="spare groups a restart can use")
     f.add_argument("--gpus-per-domain", type=int, default=0, help="failure domain (rack/switch) size in GPUs")
-    f.add_argument("--domain-mtbf-hours", type=float, default=0.0, help="mean time between failures of one domain")
+    f.add_argument("--domain-mtbf-hours", type=finite_float, default=0.0, help="mean time between failures of one domain")
     f.add_argument("--no-domain-aware", action="store_true", help="do not spread copies over failure domains")
     t = c.add_argument_group("event costs")
-    t.add_argument("--shrink-seconds", type=float, default=1.0)
-    t.add_argument("--controller-seconds", type=float, default=1.0)
-    t.add_argument("--failed-allreduce-frac", type=float, default=0.5)
-    t.add_argument("--jitter", type=float, default=0.05, help="relative sd of the normal jitter on every event")
-    t.add_argument("--max-days", type=float, default=60.0, help="give up on a simulated run after this")
+    t.add_argument("--shrink-seconds", type=finite_float, default=1.0)
+    t.add_argument("--controller-seconds", type=finite_float, default=1.0)
+    t.add_argument("--failed-allreduce-frac", type=finite_float, default=0.5)
+    t.add_argument("--jitter", type=finite_float, default=0.05, help="relative sd of the normal jitter on every event")
+    t.add_argument("--max-days", type=finite_float, default=60.0, help="give up on a simulated run after this")
     c.add_argument("--seeds", type=int, default=5, help="shared failure trails (paired simulation)")
     c.add_argument("--theory-only", action="store_true", help="closed forms only (no simulation, no intervals)")
     c.add_argument("--simulate", action="store_true", help="(default) simulate; kept for compatibility")

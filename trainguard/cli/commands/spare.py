@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import fields
 
+from trainguard.cli.args import finite_float
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import TrainguardError
 
@@ -76,7 +77,7 @@ def _add_cluster_args(sp) -> None:
         elif isinstance(default, int):
             g.add_argument(flag, dest=f.name, type=int, help=help_)
         elif isinstance(default, float) or f.name == "allreduce_s":
-            g.add_argument(flag, dest=f.name, type=float, help=help_)
+            g.add_argument(flag, dest=f.name, type=finite_float, help=help_)
         else:
             g.add_argument(flag, dest=f.name, type=str, help=help_)
 
@@ -86,12 +87,12 @@ def _add_platform_args(sp) -> None:
     g.add_argument("--topology", choices=("rail", "fat-tree"), default="rail")
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--nodes-per-leaf", type=int, default=32, help="nodes per leaf switch (fat-tree) or rail pod")
-    g.add_argument("--link-gbps", type=float, default=None, help="GPU NIC bandwidth (default: --gpu-bandwidth-gbps)")
-    g.add_argument("--link-latency-us", type=float, default=None,
+    g.add_argument("--link-gbps", type=finite_float, default=None, help="GPU NIC bandwidth (default: --gpu-bandwidth-gbps)")
+    g.add_argument("--link-latency-us", type=finite_float, default=None,
                    help="per link (default: half of --hop-latency-s: a same-leaf path has two links)")
-    g.add_argument("--oversubscription", type=float, default=1.0, help="leaf downlink / uplink capacity")
+    g.add_argument("--oversubscription", type=finite_float, default=1.0, help="leaf downlink / uplink capacity")
     g.add_argument("--storage-nodes", type=int, default=4)
-    g.add_argument("--storage-gbps", type=float, default=400.0)
+    g.add_argument("--storage-gbps", type=finite_float, default=400.0)
 
 
 def _platform(args, p):
@@ -355,7 +356,7 @@ def register(subparsers) -> None:
     ne = sub.add_parser("network", help="all-reduce and checkpoint cost: alpha-beta model vs a SimGrid platform")
     ne.add_argument("--groups", dest="groups_list", type=int, nargs="+", required=True)
     ne.add_argument("--gpus-per-group", type=int, required=True)
-    ne.add_argument("--checkpoint-gb", type=float, default=0.0, help="checkpoint size written by one group")
+    ne.add_argument("--checkpoint-gb", type=finite_float, default=0.0, help="checkpoint size written by one group")
     ne.add_argument("--simgrid", action="store_true", help="also run the traffic on SimGrid")
     ne.add_argument("--max-simgrid-gpus", type=int, default=4096)
     _add_cluster_args(ne)

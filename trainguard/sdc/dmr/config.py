@@ -5,6 +5,7 @@ Relies on the standard library only (the section is loaded by ``trainguard.utils
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -89,12 +90,14 @@ class DMRConfig:
             raise ConfigError(f"sdc.dmr.phases must be 1, 1,2 or 1,2,3; got {list(self.phases)}")
         if self.phases[0] != 1 or (3 in self.phases and 2 not in self.phases):
             raise ConfigError(f"sdc.dmr.phases builds up from phase 1 (1; 1,2; 1,2,3); got {list(self.phases)}")
-        if self.memory_budget_mb < 0 or self.optimizer_chunk_mb <= 0:
-            raise ConfigError("sdc.dmr.memory_budget_mb must be >= 0 and sdc.dmr.optimizer_chunk_mb > 0")
+        # (written so that NaN fails too: the Python API builds this class without the loader's finite check)
+        if not (0 <= self.memory_budget_mb < math.inf and 0 < self.optimizer_chunk_mb < math.inf):
+            raise ConfigError(f"sdc.dmr.memory_budget_mb must be >= 0 and sdc.dmr.optimizer_chunk_mb > 0 (both finite), "
+                              f"got {self.memory_budget_mb} and {self.optimizer_chunk_mb}")
         if self.profile_steps < 1:
             raise ConfigError(f"sdc.dmr.profile_steps must be >= 1, got {self.profile_steps}")
         if not 0 < self.window_fill <= 1:
             raise ConfigError(f"sdc.dmr.window_fill must be in (0, 1], got {self.window_fill}")
-        if not self.tolerance_safety >= 1:
+        if not 1 <= self.tolerance_safety < math.inf:
             raise ConfigError(f"sdc.dmr.tolerance_safety must be >= 1, got {self.tolerance_safety}")
         return self
