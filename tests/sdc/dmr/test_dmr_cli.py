@@ -160,3 +160,36 @@ def test_bench_dmr_refuses_an_unknown_carry_budget_in_one_line(capsys):
         main(["bench", "dmr", "--carry-budget", "all"])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and "invalid choice: 'all'" in err
+
+
+# ---- trainguard campaign dmr ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_campaign_dmr_on_two_replicas_with_two_faults_a_trial_detects_and_ends_bitwise(capsys):
+    # two processes (the elastic launcher), each trial two faults on their own (phase, step, rank, op)
+    rc = main(["campaign", "dmr", "--model", "llama-tiny", "--dp", "2", "--faults", "2", "--trials", "3", "--seed", "5",
+               "--steps", "2", "--json"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and res["dp"] == 2 and res["faults_per_trial"] == 2
+    assert res["trials"] == res["detected"] == res["rollback_bitwise_equal"] == 3
+    assert res["silent"] == res["false_positives"] == res["unreached"] == 0
+    assert res["faults_fired"] == 6 and sum(v["trials"] for v in res["by_phase"].values()) == 6
+    for r in res["results"]:  # every draw its own, and each fired where it was drawn
+        draws = [tuple(d.values()) for d in r["draws"]]
+        assert len(set(draws)) == 2 and len(r["faults"]) == 2
+        assert sorted(f["step"] for f in r["faults"]) == sorted(d["step"] for d in r["draws"])
+
+
+@pytest.mark.parametrize("argv, msg", [(["--faults", "0"], "--faults must be in [1, 16], got 0"),
+                                       (["--faults", "17"], "--faults must be in [1, 16], got 17"),
+                                       (["--trials", "0"], "--trials and --steps must be >= 1")])
+def test_campaign_dmr_bad_input_is_one_line_exit_2(capsys, argv, msg):
+    assert main(["campaign", "dmr", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and msg in err
+
+
+def test_campaign_dmr_refuses_three_replicas_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:  # (argparse's own choice check)
+        main(["campaign", "dmr", "--dp", "3"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "invalid choice: 3" in err

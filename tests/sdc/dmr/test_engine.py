@@ -164,6 +164,19 @@ def test_campaign_every_phase_detected_and_bitwise(batches):
     assert len({r["phase"] for r in res["results"]}) >= 3
 
 
+def test_campaign_with_three_faults_a_trial_strikes_three_distinct_ops_and_every_trial_ends_bitwise(batches):
+    from trainguard.sdc.dmr.campaign import run_rank
+
+    overrides = [*SMALL, "--model.n_layers", "2", "--train.activation_checkpoint", "full", "--data.batch_size", "4"]
+    res = run_rank({"overrides": overrides, "trials": 4, "seed": 7, "phase": "any", "steps": 2, "model": "tiny",
+                    "faults": 3})
+    assert res["trials"] == res["detected"] == res["rollback_bitwise_equal"] == 4 and res["silent"] == 0
+    assert res["faults_fired"] == 12 and res["unreached"] == 0 and res["false_positives"] == 0
+    for r in res["results"]:
+        sites = {(f["phase"], f["step"], f["target"], f["occurrence"]) for f in r["faults"]}
+        assert len(r["draws"]) == len(r["faults"]) == len(sites) == 3
+
+
 def test_determinism_report_and_tolerance_mode(batches, clean, tmp_path):
     from trainguard.sdc.dmr.determinism import load_tolerances, record, save
 

@@ -13,7 +13,8 @@ from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.campaign import PHASES, VERIFIER, run_rank
 from trainguard.train.launch import run_workers, worker_error
 
-KEYS = ("trials", "detected", "masked", "silent", "unreached", "false_positives", "rollback_bitwise_equal")
+KEYS = ("trials", "detected", "masked", "silent", "unreached", "faults_fired", "false_positives",
+        "rollback_bitwise_equal")
 
 
 def register_campaign(subparsers) -> None:
@@ -25,6 +26,10 @@ def register_campaign(subparsers) -> None:
                    help="where the faults go: a phase of the step, any of the four, or the DMR engine's own work "
                         "(verifier: its checker executions, copies and fingerprints)")
     p.add_argument("--pp", type=int, default=1, choices=(1, 2), help="pipeline stages (2: two processes)")
+    p.add_argument("--dp", type=int, default=1, choices=(1, 2),
+                   help="data-parallel replicas (2: twice the processes; with --pp 2, a 2 x 2 mesh of four)")
+    p.add_argument("--faults", type=int, default=1,
+                   help="faults per trial (default 1): each drawn on its own (phase, step, rank, op), all in one run")
     p.add_argument("--steps", type=int, default=3, help="training steps per trial (default 3)")
     p.add_argument("--dim", type=int, default=64, help="model width for the trials (default 64: fast)")
     p.add_argument("--seq-len", type=int, default=32)
@@ -38,34 +43,39 @@ def register_campaign(subparsers) -> None:
 def spec_from(args) -> dict:
     if args.trials < 1 or args.steps < 1 or args.dim < 8:
         raise ConfigError("--trials and --steps must be >= 1 and --dim >= 8")
+    if not 1 <= args.faults <= 16:
+        raise ConfigError(f"--faults must be in [1, 16], got {args.faults}")
     overrides = ["--model.preset", args.model, "--model.dim", str(args.dim), "--model.n_heads", "2",
                  "--model.ffn_hidden", str(2 * args.dim), "--model.n_layers", "2", "--data.seq_len", str(args.seq_len),
-                 "--data.batch_size", str(args.batch * 2 if args.pp > 1 else args.batch), "--data.max_bytes", "400000",
+                 "--data.batch_size", str(args.batch * (2 if args.pp > 1 else 1) * args.dp), "--data.max_bytes", "400000",
                  "--train.steps", str(args.steps), "--train.eval_every", "0", "--train.activation_checkpoint", "full",
                  "--output.dir", "", "--output.progress", "false", "--output.metrics", "false"]
     if args.pp > 1:
         overrides += ["--distributed.pp", "2", "--distributed.microbatches", "2"]
+    if args.dp > 1:
+        overrides += ["--distributed.dp", str(args.dp)]
     return {"overrides": overrides, "trials": args.trials, "seed": args.seed, "phase": args.phase, "steps": args.steps,
-            "model": args.model, "progress": not args.json, "executor": args.executor}
+            "model": args.model, "progress": not args.json, "executor": args.executor, "faults": args.faults}
 
 
 def run(args) -> int:
     spec = spec_from(args)
     out = err_console if args.json else console
-    out.print(f"campaign dmr: {args.model} (dim {args.dim}), {args.trials} trials, phase {args.phase}, pp {args.pp}")
-    if args.pp == 1:
+    out.print(f"campaign dmr: {args.model} (dim {args.dim}), {args.trials} trials, phase {args.phase}, pp {args.pp}, "
+              f"dp {args.dp}, {args.faults} fault(s) a trial")
+    if args.pp * args.dp == 1:
         spec["progress"] = True
         res = run_rank(spec)
     else:
         with tempfile.TemporaryDirectory(prefix="trainguard-campaign-dmr-") as tmp:
             spec_path = Path(tmp) / "spec.json"
             spec_path.write_text(json.dumps(spec))
-            proc = run_workers(2, "trainguard.sdc.dmr.campaign", tmp, str(spec_path))
+            proc = run_workers(args.pp * args.dp, "trainguard.sdc.dmr.campaign", tmp, str(spec_path))
             if proc.returncode != 0:
-                raise TrainguardError("campaign dmr: a pipeline process failed: " + worker_error(proc.stderr))
+                raise TrainguardError("campaign dmr: a rank's process failed: " + worker_error(proc.stderr))
             res = json.loads((Path(tmp) / "campaign.json").read_text())
-    res.update(model=args.model, pp=args.pp, phase=args.phase, seed=args.seed)
-    out.print(table(f"campaign dmr: {args.model}, pp {args.pp}", {k: res[k] for k in KEYS}))
+    res.update(model=args.model, pp=args.pp, dp=args.dp, phase=args.phase, seed=args.seed)
+    out.print(table(f"campaign dmr: {args.model}, pp {args.pp}, dp {args.dp}", {k: res[k] for k in KEYS}))
     if args.json:
         emit_json(res)
     return 0

@@ -63,15 +63,16 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def _run(cfg, steps: int, fault: Fault | None, rank_of_fault: int, seed: int, count: bool = False, plan=None,
+def _run(cfg, steps: int, faults: dict[int, list[Fault]], seed: int, count: bool = False, plan=None,
          executor: str = "auto", verifier: bool = False):
-    """One run with DMR on; ``count``: count compute ops per (step, phase), the engine's own ops too where
-    ``verifier``."""
+    """One run with DMR on, each rank's ``faults[rank]`` injected; ``count``: count compute ops per (step, phase),
+    the engine's own ops too where ``verifier``."""
     trainer = Trainer(cfg, progress=False)
     engine = attach(trainer, DMRConfig(enabled=True, executor=executor), plan=plan)
     injector = None
-    if count or (fault is not None and trainer.rank == rank_of_fault):
-        injector = Injector([fault] if fault is not None else [], seed=seed).attach(trainer)
+    mine = faults.get(trainer.rank, [])
+    if count or mine:
+        injector = Injector(mine, seed=seed).attach(trainer)
         injector.count_ops = count
         injector.count_verifier = count and verifier
     for _ in range(steps):
@@ -87,15 +88,14 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     steps, trials, seed = spec["steps"], spec["trials"], spec["seed"]
     executor = spec.get("executor", "auto")
     verifier = spec["phase"] == VERIFIER
-    ref_trainer, ref_engine, counter, fp = _run(cfg, steps, None, -1, seed, count=True, executor=executor,
+    ref_trainer, ref_engine, counter, fp = _run(cfg, steps, {}, seed, count=True, executor=executor,
                                                 verifier=verifier)
     first, plan = ref_trainer, ref_engine.plan
     if plan is not None:
         # The plan made from a profile depends on measured times, so every run of the campaign follows the
         # reference's plan: then the same ops run in every trial and a drawn site is always reached.
-        ref_trainer, ref_engine, counter, fp2 = _run(cfg, steps, None, -1, seed, count=True, plan=plan,
-                                                     verifier=verifier,
-                                                         executor=executor)
+        ref_trainer, ref_engine, counter, fp2 = _run(cfg, steps, {}, seed, count=True, plan=plan, verifier=verifier,
+                                                     executor=executor)
         fp = fp or fp2
     reference = ref_trainer.state_dict_for_compare()
     world, rank = ref_trainer.world, ref_trainer.rank
@@ -105,38 +105,51 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     summary = {"trials": 0, "detected": 0, "masked": 0, "silent": 0, "unreached": 0, "false_positives": false_positives,
                "rollback_bitwise_equal": 0, "by_phase": {p: {"trials": 0, "detected": 0} for p in phases},
-               "faults_by_thread": {"main": 0, "worker": 0}, "results": []}
+               "faults_per_trial": spec.get("faults", 1), "faults_fired": 0, "faults_by_thread": {"main": 0, "worker": 0},
+               "results": []}
     bar = TaskBar(spec.get("progress", False) and rank == 0, f"campaign dmr {spec['model']}", trials)
+    n_faults = spec.get("faults", 1)
     try:
         for trial in range(trials):
             options = [(p, s, r) for p in phases for s in range(steps) for r in range(world) if counts[r].get((s, p), 0)]
             if not options:
                 raise RuntimeError(f"no compute op in phase(s) {', '.join(phases)} (activation checkpointing off?)")
-            phase, step, frank = options[int(rng.integers(len(options)))]
-            occurrence = int(rng.integers(counts[frank][(step, phase)]))
-            site = OpSite("*", "any", occurrence, compute_only=True, verifier=True) if phase == VERIFIER else \
-                OpSite("*", phase, occurrence, compute_only=True)
-            fault = Fault(site, FaultModel("bitflip", field="any"), step=step)
-            trainer, engine, injector, detected = _run(cfg, steps, fault, frank, seed * 1_000_003 + trial,
-                                                              plan=plan, executor=executor)
+            draws: list[tuple[str, int, int, int]] = []  # (phase, step, rank, occurrence), no two the same
+            while len(draws) < n_faults:
+                phase, step, frank = options[int(rng.integers(len(options)))]
+                draw = (phase, step, frank, int(rng.integers(counts[frank][(step, phase)])))
+                if draw not in draws or len(draws) >= sum(counts[r][(s, p)] for p, s, r in options):
+                    draws.append(draw)
+            faults: dict[int, list[Fault]] = {}
+            for phase, step, frank, occurrence in draws:
+                site = OpSite("*", "any", occurrence, compute_only=True, verifier=True) if phase == VERIFIER else \
+                    OpSite("*", phase, occurrence, compute_only=True)
+                faults.setdefault(frank, []).append(Fault(site, FaultModel("bitflip", field="any"), step=step))
+            trainer, engine, injector, detected = _run(cfg, steps, faults, seed * 1_000_003 + trial, plan=plan,
+                                                       executor=executor)
             state = trainer.state_dict_for_compare()
             equal = _all(state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state))
             detected = _any(detected)
-            fired = _any(bool(injector is not None and injector.records))
-            record = injector.records[0].to_dict() if injector is not None and injector.records else None
-            records = [r for r in _gather(record) if r]
+            mine = [r.to_dict() for r in injector.records] if injector is not None and faults.get(rank) else []
+            records = [r for rs in _gather(mine) for r in rs]
             outcome = "detected" if detected else ("masked" if equal else "silent")
             summary["trials"] += 1
             summary[outcome] += 1
-            summary["unreached"] += int(not fired)
+            summary["unreached"] += int(not records)
+            summary["faults_fired"] += len(records)
             summary["rollback_bitwise_equal"] += int(equal)
-            if records:  # (a window's worker runs checks: the verifier's ops there are reached too)
-                summary["faults_by_thread"][records[0]["thread"]] += 1
-            summary["by_phase"][phase]["trials"] += 1
-            summary["by_phase"][phase]["detected"] += int(detected)
-            summary["results"].append({"trial": trial, "phase": phase, "step": step, "rank": frank,
-                                       "occurrence": occurrence, "outcome": outcome, "bitwise_equal": equal,
-                                       "fault": records[0] if records else None})
+            for r in records:  # (a window's worker runs checks: the verifier's ops there are reached too)
+                summary["faults_by_thread"][r["thread"]] += 1
+            for phase, *_ in draws:
+                summary["by_phase"][phase]["trials"] += 1
+                summary["by_phase"][phase]["detected"] += int(detected)
+            phase, step, frank, occurrence = draws[0]
+            result = {"trial": trial, "phase": phase, "step": step, "rank": frank, "occurrence": occurrence,
+                      "outcome": outcome, "bitwise_equal": equal, "fault": records[0] if records else None}
+            if n_faults > 1:
+                result.update(draws=[dict(zip(("phase", "step", "rank", "occurrence"), d)) for d in draws],
+                              faults=records)
+            summary["results"].append(result)
             bar.advance(f"detected {summary['detected']}  silent {summary['silent']}")
     finally:
         bar.stop()
