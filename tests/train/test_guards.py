@@ -230,3 +230,13 @@ def test_a_failure_outranks_a_planned_re_execution_on_one_rank():
     assert worst([planned, failed]) is failed and worst([failed, planned]) is failed
     assert worst([planned, Verdict.abort(site="x")]).action == Action.ABORT
     assert Verdict.from_dict(planned.to_dict(), 3) == Verdict(Action.RETRY, "profile", "", "", 3, False, True)
+
+
+def test_a_rewind_outranks_a_retry_of_the_step_alone_in_either_order_and_across_ranks():
+    retry, rewind = Verdict.retry(site="flip"), Verdict.retry(site="carried", rewind=True)
+    assert worst([retry, rewind]) is rewind and worst([rewind, retry]) is rewind
+    assert worst([Verdict.retry(site="profile", planned=True), rewind]) is rewind
+    assert worst([rewind, Verdict.abort(site="x")]).action == Action.ABORT
+    # as every rank's verdicts arrive after the reduction (rank order): the rewind survives the trip
+    gathered = [Verdict.from_dict(v.to_dict(), r) for r, v in enumerate((retry, rewind))]
+    assert worst(gathered).rewind and worst(gathered).rank == 1

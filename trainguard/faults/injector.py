@@ -229,7 +229,9 @@ class Injector:
     """Holds faults, fires each once at its site, and records what it did (``records``)."""
 
     def __init__(self, faults: list[Fault] | Fault, seed: int = 0):
-        self.faults = [faults] if isinstance(faults, Fault) else list(faults)
+        # a tuple: what attach() wires (module hooks, product hooks, whether the verifier's ops are looked at) is
+        # decided from the faults given here, so a fault added later would silently never fire
+        self.faults: tuple[Fault, ...] = (faults,) if isinstance(faults, Fault) else tuple(faults)
         self.generator = torch.Generator().manual_seed(seed)
         self.records: list[InjectionRecord] = []
         self.fired: set[int] = set()

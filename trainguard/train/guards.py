@@ -155,9 +155,12 @@ class StepGuard:
 
 
 def worst(verdicts: list[Verdict]) -> Verdict:
-    """The most severe verdict (the first one among equals; a failure before a planned re-execution)."""
+    """The most severe verdict (the first one among equals; a failure before a planned re-execution, a rewind
+    before a retry of this step alone). A rewind among retries must win: a retry of this step alone would leave the
+    previous step's update, which a check found wrong, in place (and the guard that asked for the rewind waiting
+    for it)."""
     out = _COMMIT
     for v in verdicts:
-        if (v.action, not v.planned) > (out.action, not out.planned):
+        if (v.action, not v.planned, v.rewind) > (out.action, not out.planned, out.rewind):
             out = v
     return out

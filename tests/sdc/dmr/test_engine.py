@@ -9,7 +9,7 @@ from trainguard.errors import SuspectedHardwareFault
 from trainguard.faults import Fault, FaultModel, Injector, OpSite
 from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import attach
-from trainguard.train import Trainer, TrainerConfig
+from trainguard.train import StepGuard, Trainer, TrainerConfig, Verdict
 
 SMALL = ["--model.dim", "32", "--model.n_heads", "2", "--model.ffn_hidden", "64", "--train.steps", "3",
          "--data.max_bytes", "300000", "--data.seq_len", "16", "--data.batch_size", "4", "--train.eval_every", "0",
@@ -246,6 +246,31 @@ def test_a_wrong_backward_op_whose_check_was_carried_past_the_update_rewinds_bot
     assert [r.attempts for r in results] == [2, 1, 2]  # (step 0: profiled, then re-executed under the plan)
     assert results[2].retries[0]["rewind"] and results[2].retries[0]["rewound_to"] == 1
     assert eng.counts["carried"] > 0 or eng.totals["detected"] >= 1
+    assert _equal(_params(t), clean)
+
+
+def test_a_rewind_wins_over_another_guards_retry_of_the_same_step_and_the_run_ends_bitwise(batches, clean):
+    """Two faults found in the same step: a carried check of step 1 differs in step 2 (DMR asks for a rewind) and
+    another guard, registered first, asks to retry step 2 alone (as another rank's fresh mismatch does on a pipeline).
+    The rewind must win, or step 1's wrong update stays in place. Found by ``campaign dmr --pp 2 --faults 3``: the
+    first of two equally severe verdicts won, step 2 alone was retried, and DMR's pending rewind then failed the
+    next attempt (``StopIteration``)."""
+    t, eng = _held_trainer(batches)
+    Injector(Fault(OpSite("*", "backward", 23, compute_only=True), FaultModel("bitflip", field="exponent"), step=1),
+             seed=7).attach(t)
+
+    class RetryStepTwoOnce(StepGuard):
+        name, asked = "other", False
+
+        def before_update(self, ctx):
+            if ctx.step == 2 and not self.asked:
+                self.asked = True
+                return Verdict.retry(site="other", reason="a second fault, found by another check")
+            return Verdict.commit()
+
+    t.guards.insert(0, RetryStepTwoOnce())
+    results = [t.train_step() for _ in range(3)]
+    assert results[2].retries[0]["rewind"] and results[2].retries[0]["rewound_to"] == 1
     assert _equal(_params(t), clean)
 
 

@@ -2086,6 +2086,7 @@ class DMRGuard(StepGuard):
         eng.drain()
         eng._read_flags()  # (the stream executor: every comparison of the iteration, in one transfer)
         if eng._rewind:  # a check carried from the previous iteration differs: its update read wrong gradients
+            # (the mismatch is this attempt's: a rewind verdict on any rank rewinds every rank, see guards.worst)
             m = next(m for m in eng.mismatches if m.strategy == "carried")
             return Verdict.retry(site=m.site(), reason=f"{m.phase} op {m.name} of step {eng._carried_step} (checked "
                                  f"after its update): {m.detail}", rewind=True)
