@@ -249,6 +249,33 @@ def test_a_wrong_backward_op_whose_check_was_carried_past_the_update_rewinds_bot
     assert _equal(_params(t), clean)
 
 
+def test_a_repaired_update_whose_step_another_rank_rewinds_is_restored_from_before_it_bitwise(batches, clean):
+    """Two faults at once, on two ranks: this rank's update of step 1 was wrong (found in step 2 by the held check;
+    the tie-breaker agrees with the checker: repaired), and another rank's check of step 1, carried past its
+    update, differs: every rank rewinds to the start of step 1. (Here a guard asks for that rewind, as the verdict
+    of the other rank does.) Found by ``campaign dmr --pp 2 --faults 3`` (seed 410): the tie-breaker ran on the
+    copy of the state from the start of step 1, so the rewind found it gone and the run stopped ("the state at the
+    start of step 1 is no longer kept")."""
+    t, eng = _held_trainer(batches)
+    Injector(Fault(OpSite("aten._fused_adamw_*", "optimizer", 0, compute_only=True),
+                   FaultModel("bitflip", field="exponent"), step=1), seed=3).attach(t)
+
+    class OtherRanksRewind(StepGuard):
+        name, may_rewind, asked = "other-rank", True, False
+
+        def before_update(self, ctx):
+            if ctx.step == 2 and not self.asked:
+                self.asked = True
+                return Verdict.retry(site="carried", reason="another rank's carried check differs", rewind=True)
+            return Verdict.commit()
+
+    t.add_guard(OtherRanksRewind())
+    results = [t.train_step() for _ in range(3)]
+    assert eng.totals["repaired_optimizer"] == 1  # (this rank's held check ran, differed and was repaired first)
+    assert results[2].retries[0]["rewind"] and results[2].retries[0]["rewound_to"] == 1
+    assert _equal(_params(t), clean)
+
+
 def test_a_rewind_wins_over_another_guards_retry_of_the_same_step_and_the_run_ends_bitwise(batches, clean):
     """Two faults found in the same step: a carried check of step 1 differs in step 2 (DMR asks for a rewind) and
     another guard, registered first, asks to retry step 2 alone (as another rank's fresh mismatch does on a pipeline).

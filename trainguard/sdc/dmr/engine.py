@@ -1257,18 +1257,28 @@ class DMREngine:
         self._pre_start, self._spare_start = h.step + 1, h.step
 
     def _held_differs(self, h: _HeldUpdate, live: dict, pre: dict, chk: dict) -> None:
-        self._run_update(h, pre)  # the tie-breaker, from the same copy (the copy is the state after it now)
-        self._pre_start, self._spare_start = h.step + 1, None
-        if all(dops.bitwise_equal(pre[n], chk[n]) for n in h.written):
-            self._repair.append((pre, live))  # the primary was wrong: written back before the next verdict
+        # The tie-breaker runs on a verified copy of its own: ``pre`` stays the state at the start of step h.step,
+        # which a rewind to that step restores (a check of it carried into the next iteration can still fail, on
+        # this rank or another: two faults at once). Run in place on ``pre``, it left no copy of that state and the
+        # rewind failed.
+        tie = {n: [torch.empty_like(t) for t in pre[n]] for n in h.written}
+        self._copy_verified([t for n in h.written for t in tie[n]], [t for n in h.written for t in pre[n]])
+        self._run_update(h, tie)
+        if all(dops.bitwise_equal(tie[n], chk[n]) for n in h.written):
+            self._repair.append((tie, live))  # the primary was wrong: written back before the next verdict
             self.totals["repaired_optimizer"] += 1
             self._mismatch(h.op_id, dops.info(h.func).name, "optimizer", "optimizer-held",
                            f"the update of step {h.step} differs from two executions of it")
-        elif all(dops.bitwise_equal(pre[n], live[n]) for n in h.written):
+        elif all(dops.bitwise_equal(tie[n], live[n]) for n in h.written):
             self.counts["checker-fault"] += 1  # the checker was wrong: the primary and the tie-breaker agree
         else:
             self._held_fatal = (f"three executions of {dops.info(h.func).name} in the update stage of step {h.step} "
                                 f"all differ ({h.op_id}): this device does not compute reliably")
+            self._pre_start, self._spare_start = h.step, None  # (``pre`` is still that; the run stops at the next verdict)
+            return
+        # the tie-breaker's result, which the live state equals once repaired, is the verified state before the next
+        # update, and ``pre`` the one before this update, as when the checker agrees
+        self._held_agrees(h, live, pre, tie)
 
     # ---- checks carried past the update into the next iteration (``carry_last``) ---------------------------
     # The plan leaves naive the backward ops that no window follows before the update (on the first pipeline
