@@ -91,3 +91,8 @@ def test_a_failed_run_is_summed_up_by_the_workers_own_exception_line():
              "[rank1]: ValueError: bad spec\n\nE1127 torch.distributed.elastic: failed (exitcode: 1)\n"
     assert worker_error(stderr) == "ValueError: bad spec"
     assert worker_error("one\n\ntwo\nthree\nfour\n") == "two | three | four"  # (no exception line: the last three)
+    # two ranks failed, then the agent's summary (as a campaign's rank failing printed it): the first rank's cause
+    stderr = ("[rank1]: Traceback (most recent call last):\n[rank1]: RuntimeError: dmr: the state at the start of step 0 "
+              "is no longer kept\n[rank0]: Traceback (most recent call last):\n[rank0]: RuntimeError: Connection closed "
+              "by peer\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n=====\n")
+    assert worker_error(stderr) == "RuntimeError: dmr: the state at the start of step 0 is no longer kept"

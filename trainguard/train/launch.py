@@ -131,11 +131,13 @@ def run_workers(nproc: int, module: str, *args: str) -> subprocess.CompletedProc
 
 
 def worker_error(stderr: str) -> str:
-    """One line for a failed :func:`run_workers` call: a worker's own exception line (the agent's summary after it
-    says nothing about the cause), else the last three lines of the output."""
+    """One line for a failed :func:`run_workers` call: the first worker's own exception line (the agent's summary
+    after it, ``ChildFailedError``, says nothing about the cause; another rank's error after it is most often that
+    rank losing its peer), else the last three lines of the output."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.match(r"^\[?[\w.]*(Error|Exception)\b", ln.split("]: ")[-1])]
-    return errors[-1].split("]: ")[-1] if errors else " | ".join(lines[-3:])
+    errors = [ln for ln in lines if re.match(r"^\[?[\w.]*(Error|Exception)\b", ln.split("]: ")[-1])
+              and "ChildFailedError" not in ln]
+    return errors[0].split("]: ")[-1] if errors else " | ".join(lines[-3:])
 
 
 def _result(rc: int, reports: list[dict]) -> LaunchResult:
