@@ -103,22 +103,23 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     false_positives = int(_any(fp))
     phases = [VERIFIER] if verifier else [p for p in PHASES if spec["phase"] in ("any", p)]
     rng = np.random.default_rng(seed)
+    n_faults = spec.get("faults", 1)
     summary = {"trials": 0, "detected": 0, "masked": 0, "silent": 0, "unreached": 0, "false_positives": false_positives,
                "rollback_bitwise_equal": 0, "by_phase": {p: {"trials": 0, "detected": 0} for p in phases},
-               "faults_per_trial": spec.get("faults", 1), "faults_fired": 0, "faults_by_thread": {"main": 0, "worker": 0},
+               "faults_per_trial": n_faults, "faults_fired": 0, "faults_by_thread": {"main": 0, "worker": 0},
                "results": []}
+    options = [(p, s, r) for p in phases for s in range(steps) for r in range(world) if counts[r].get((s, p), 0)]
+    if not options:
+        raise RuntimeError(f"no compute op in phase(s) {', '.join(phases)} (activation checkpointing off?)")
+    sites = sum(counts[r][(s, p)] for p, s, r in options)  # (more faults than sites: some share one)
     bar = TaskBar(spec.get("progress", False) and rank == 0, f"campaign dmr {spec['model']}", trials)
-    n_faults = spec.get("faults", 1)
     try:
         for trial in range(trials):
-            options = [(p, s, r) for p in phases for s in range(steps) for r in range(world) if counts[r].get((s, p), 0)]
-            if not options:
-                raise RuntimeError(f"no compute op in phase(s) {', '.join(phases)} (activation checkpointing off?)")
             draws: list[tuple[str, int, int, int]] = []  # (phase, step, rank, occurrence), no two the same
             while len(draws) < n_faults:
                 phase, step, frank = options[int(rng.integers(len(options)))]
                 draw = (phase, step, frank, int(rng.integers(counts[frank][(step, phase)])))
-                if draw not in draws or len(draws) >= sum(counts[r][(s, p)] for p, s, r in options):
+                if draw not in draws or len(draws) >= sites:
                     draws.append(draw)
             faults: dict[int, list[Fault]] = {}
             for phase, step, frank, occurrence in draws:
