@@ -168,8 +168,10 @@ def test_campaign_dmr_on_two_replicas_with_two_faults_a_trial_detects_and_ends_b
     # two processes (the elastic launcher), each trial two faults on their own (phase, step, rank, op)
     rc = main(["campaign", "dmr", "--model", "llama-tiny", "--dp", "2", "--faults", "2", "--trials", "3", "--seed", "5",
                "--steps", "2", "--json"])
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rc == 0 and res["dp"] == 2 and res["faults_per_trial"] == 2
+    out = capsys.readouterr()
+    assert rc == 0 and out.out.strip(), out.err[-3000:]
+    res = json.loads(out.out.strip().splitlines()[-1])
+    assert res["dp"] == 2 and res["faults_per_trial"] == 2
     assert res["trials"] == res["detected"] == res["rollback_bitwise_equal"] == 3
     assert res["silent"] == res["false_positives"] == res["unreached"] == 0
     assert res["faults_fired"] == 6 and sum(v["trials"] for v in res["by_phase"].values()) == 6
