@@ -65,6 +65,13 @@ class RetryOnRank(StepGuard):
 
 
 trainer.callbacks.append(Log())
+
+
+def flip(site, step) -> Injector:
+    """One bit flip in the exponent of an element that ``site`` writes at ``step`` (the DMR modes' fault)."""
+    return Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
+
+
 n_steps = None
 if mode.startswith("stop:"):
     n_steps = int(mode.split(":")[1])
@@ -79,31 +86,31 @@ elif mode.startswith("dmr:"):  # dmr:R:K:PHASE: a bit flip in rank R's PHASE ops
     _, rank, step, phase = mode.split(":")
     if trainer.rank == int(rank):
         site = OpSite("*", phase, 5, compute_only=True)
-        injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
+        injector = flip(site, step)
 elif mode.startswith(("dmrocc:", "dmrloop:")):  # dmrocc:R:K:PHASE:N: a bit flip in rank R's N-th PHASE op at
     # step K, DMR on; dmrloop: the same, the steps run by train_step() (not run(): the last one may carry checks,
     # settled when the state is read at the end)
     _, rank, step, phase, occ = mode.split(":")
     if trainer.rank == int(rank):
         site = OpSite("*", phase, int(occ), compute_only=True)
-        injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
+        injector = flip(site, step)
 elif mode.startswith("dmrsite:"):  # dmrsite:R:K:OP:PHASE:N: a bit flip in rank R's N-th op matching OP at step K
     _, rank, step, op, phase, occ = mode.split(":")
     if trainer.rank == int(rank):
         site = OpSite(op, phase, int(occ), compute_only=True)
-        injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
+        injector = flip(site, step)
 elif mode.startswith("dmradam:"):  # dmradam:R:K: a bit flip in what rank R's fused AdamW writes at step K
     _, rank, step = mode.split(":")
     if trainer.rank == int(rank):
         site = OpSite("aten._fused_adamw_*", "optimizer", 0, compute_only=True)
-        injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
+        injector = flip(site, step)
 elif mode.startswith("dmrmany:"):  # dmrmany:K:P0,P1,...: a bit flip in each rank r's phase Pr ops at step K, all
     # in the same step ("-": none on that rank), DMR on
     _, step, phases = mode.split(":")
     phase = phases.split(",")[trainer.rank]
     if phase != "-":
         site = OpSite("*", phase, 5 + trainer.rank, compute_only=True)
-        injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(step)), seed=1).attach(trainer)
+        injector = flip(site, step)
 elif mode.startswith("dmrroute:"):  # dmrroute:R:K: rank R's first router output at step K pushed to 1e4 (routing)
     _, rank, step = mode.split(":")
     if trainer.rank == int(rank):
@@ -130,7 +137,7 @@ if mode.startswith("dmragc:"):
         name = next(o.name for o in eng.profile.ops if o.id == op)
         same = [o.id for o in eng.profile.ops if o.phase == "backward" and o.name == name]  # (as the injector counts)
         site = OpSite(name, "backward", same.index(op), compute_only=True)
-        injector = Injector(Fault(site, FaultModel("bitflip", field="exponent"), step=int(agc_step)), seed=1).attach(trainer)
+        injector = flip(site, agc_step)
     for _ in range(1, cfg.train.steps):
         trainer.train_step()
     trainer.settle()
