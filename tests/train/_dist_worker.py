@@ -119,6 +119,9 @@ elif mode.startswith("dmrroute:"):  # dmrroute:R:K: rank R's first router output
 elif mode.startswith("dmragc:"):  # dmragc:R:K: a bit flip at step K in rank R's first backward op that the plan
     # (made in step 0) checks by an AGC segment's replay; run by train_step(), as dmrloop
     _, agc_rank, agc_step = mode.split(":")
+elif mode.startswith("dmrwin:"):  # dmrwin:R:K:KIND: a bit flip at step K in rank R's first op that the plan
+    # (made in step 0) defers into a window of KIND (pp, dp); run by train_step(), as dmrloop
+    _, win_rank, win_step, win_kind = mode.split(":")
 elif mode.startswith("abft:"):
     layer = int(mode.split(":")[1])
     # (row 1, column 1) of the first head's scores: kept by the causal mask
@@ -138,6 +141,22 @@ if mode.startswith("dmragc:"):
         same = [o.id for o in eng.profile.ops if o.phase == "backward" and o.name == name]  # (as the injector counts)
         site = OpSite(name, "backward", same.index(op), compute_only=True)
         injector = flip(site, agc_step)
+    for _ in range(1, cfg.train.steps):
+        trainer.train_step()
+    trainer.settle()
+    summary = None
+elif mode.startswith("dmrwin:"):
+    trainer.train_step()  # step 0: profiled, planned, re-executed under the plan
+    eng = handles["dmr"]
+    planned = {i: o.window for i, o in eng.plan.ops.items() if o.window and o.strategy.startswith("d-")}
+    agc.update(windows=sorted({w for w in planned.values()}), mismatches=spy_mismatches(eng))
+    ops = [i for i, w in planned.items() if w.startswith(win_kind + ":")]
+    if trainer.rank == int(win_rank) and ops:
+        op = min(ops, key=lambda i: next(o.start_s for o in eng.profile.ops if o.id == i))
+        rec = next(o for o in eng.profile.ops if o.id == op)
+        same = [o.id for o in eng.profile.ops if o.phase == rec.phase and o.name == rec.name]  # (as the injector counts)
+        agc["op"] = (op, rec.name, rec.phase, planned[op])
+        injector = flip(OpSite(rec.name, rec.phase, same.index(op), compute_only=True), win_step)
     for _ in range(1, cfg.train.steps):
         trainer.train_step()
     trainer.settle()
@@ -165,7 +184,8 @@ else:
     summary = trainer.run(n_steps)
 trainer.close()
 abft = handles["abft"].total() if "abft" in handles else {}
-fired = bool(mode.startswith(("abft:", "dmr:", "dmrmany:", "dmrocc:", "dmrloop:", "dmrsite:", "dmradam:", "dmrroute:", "dmragc:"))
+fired = bool(mode.startswith(("abft:", "dmr:", "dmrmany:", "dmrocc:", "dmrloop:", "dmrsite:", "dmradam:", "dmrroute:",
+                              "dmragc:", "dmrwin:"))
              and "injector" in globals()
              and injector.records)
 dmr = handles.get("dmr")

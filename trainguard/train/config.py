@@ -144,7 +144,8 @@ class DistributedConfig:
     microbatches: int = setting(0, help="pipeline micro-batches per step and grad_accum round (0: 2 * pp)")
     backend: Literal["auto", "gloo", "nccl"] = setting("auto", help="auto (nccl on CUDA, gloo on CPU), gloo or nccl")
     emulate_link_delay_ms: float = setting(
-        0.0, help="experiments only: every pipeline transfer lands this long after it is issued (a slow link)")
+        0.0, help="experiments only: every pipeline transfer, and a stage's gradient all-reduce over its "
+        "replicas, lands this long after it is issued (a slow link)")
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def validate(self) -> DistributedConfig:

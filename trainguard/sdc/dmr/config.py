@@ -76,6 +76,11 @@ class DMRConfig:
     window_fill: float = setting(0.8, help="share of each communication window the planner fills with checks (the "
                                  "rest absorbs checkers that run slower than profiled, e.g. beside another rank's "
                                  "compute; what does not fit goes to another window, or is carried or checked at once)")
+    dp_windows: bool = setting(True, help="the planner may defer checks into data-parallel windows too: a pipeline "
+                               "stage's gradient all-reduce over its replicas, which runs after the schedule with "
+                               "nothing to compute (dp > 1 with pp > 1; plain DDP overlaps its all-reduce with the "
+                               "backward and has no such window). false: only pp, tp and ep windows, as in the paper "
+                               "(checks nobody planned may still run there)")
     plan: str = setting("", help="a DMR plan JSON (trainguard plan dmr --out); empty: profile and plan at the start")
     profile_steps: int = setting(1, help="times the first step is profiled before the plan is made (each attempt "
                                  "unverified, then re-executed; the plan takes each op's and window's median time "

@@ -1957,7 +1957,8 @@ class DMREngine:
     def planner_config(self, phases: tuple[int, ...] | None = None) -> PlannerConfig:
         """The planner settings this engine's config implies (``phases``: the ablation's, else the config's)."""
         return PlannerConfig(phases=tuple(phases or self.cfg.phases), keep_outputs=not self.cfg.fingerprints,
-                             pdmr_tail=self.cfg.pdmr_tail, window_fill=self.cfg.window_fill, carry=self.cfg.carry_budget)
+                             pdmr_tail=self.cfg.pdmr_tail, window_fill=self.cfg.window_fill, carry=self.cfg.carry_budget,
+                             use_dp_windows=self.cfg.dp_windows)
 
     # ---- reporting -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:

@@ -91,7 +91,8 @@ class Strategy:
 
     def add_window_hook(self, hook: Callable[[str, Callable[[], Any]], Any]) -> Callable[[], None]:
         """``hook(kind, wait)`` is called for every wait on communication the strategy can expose (pipeline
-        transfers: ``pp``; expert all-to-all: ``ep``; ``setup``: a pipeline stage's one-time handshake and shape
+        transfers: ``pp``; expert all-to-all: ``ep``; a pipeline stage's gradient all-reduce over its replicas:
+        ``dp``; ``setup``: a pipeline stage's one-time handshake and shape
         inference, which runs ops of its own); it must call ``wait()`` and may work meanwhile."""
         self.window_hooks.append(hook)
         return lambda: self.window_hooks.remove(hook) if hook in self.window_hooks else None

@@ -23,6 +23,7 @@ Relies on torch.distributed (pipelining, device mesh, gloo / nccl) and DCP throu
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -112,6 +113,7 @@ class PipelineStrategy(Strategy):
         self.pp_group = self.dp_group = None
         self.schedule: WindowedSchedule1F1B | None = None
         self.n_micro = 0
+        self.link_delay_s = 0.0
         self._losses: list[torch.Tensor] = []
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -119,6 +121,7 @@ class PipelineStrategy(Strategy):
         d = trainer.cfg.distributed
         self.dp, self.pp = d.dp, d.pp
         self.n_micro = d.pipeline_microbatches()
+        self.link_delay_s = d.emulate_link_delay_ms / 1000.0
         if self.pp < 2:
             raise ConfigError("pipeline parallelism needs distributed.pp >= 2")
         self.rank, self.world, self.owns_group = init_default_group(d.backend, trainer.device, self.dp * self.pp)
@@ -152,7 +155,7 @@ class PipelineStrategy(Strategy):
         # Every wait on a transfer goes through the strategy's window hooks (deferred DMR checks run there).
         self.schedule = WindowedSchedule1F1B(stage, self.n_micro, loss_fn=self._loss, scale_grads=False,
                                              on_wait=self.run_window,
-                                             link_delay_s=cfg.distributed.emulate_link_delay_ms / 1000.0)
+                                             link_delay_s=self.link_delay_s)
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, target)
@@ -191,7 +194,11 @@ class PipelineStrategy(Strategy):
         total_micro = self.n_micro * len(plan.micro) * self.dp
         if self.dp > 1 and grads:  # sum over the replicas of this stage, in one flat buffer
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
+            # (the wait is a window: nothing computes while the replicas exchange gradients, and DMR may check
+            # the step's last ops meanwhile, ``[sdc.dmr] dp_windows``)
+            issued = time.perf_counter()
+            work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+            self.run_window("dp", lambda: self._land(work, issued))
             off = 0
             for g in grads:
                 g.copy_(flat[off:off + g.numel()].view_as(g))
@@ -201,6 +208,14 @@ class PipelineStrategy(Strategy):
         if self.is_last and self._losses:
             return torch.stack([v.detach().float() for v in self._losses]).mean()
         return torch.zeros((), device=trainer.device)
+
+    def _land(self, work: dist.Work, issued: float) -> None:
+        """Wait for the gradient all-reduce; on an emulated slow link it lands ``emulate_link_delay_ms`` after its
+        issue, as the schedule's transfers do."""
+        left = issued + self.link_delay_s - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        work.wait()
 
     def _run_schedule(self, x, y, losses: list, train: bool) -> None:
         """One schedule step (``train``) or forward-only pass; appends the last stage's micro-batch losses."""
