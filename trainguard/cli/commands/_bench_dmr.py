@@ -28,7 +28,7 @@ def register_bench(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=128, help="tokens a sequence (default 128)")
     p.add_argument("--microbatches", type=int, default=4,
                    help="pipeline micro-batches a step (default 4; 0: twice the stages). The engine's cost is per op, the ops' cost per "
-                        "token: fewer tokens a micro-batch weigh the engine more (docs/dmr.md, tokens per micro-batch)")
+                        "token: fewer tokens a micro-batch weigh the engine more (docs/dmr-measurements.md, tokens per micro-batch)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per round and system (default 2)")
     p.add_argument("--warmup", type=int, default=2)
