@@ -3,6 +3,7 @@ as they were; a replay agrees with the recording, and tells the op whose result 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from trainguard.sdc.dmr import ops as dops
@@ -59,3 +60,29 @@ def test_a_recorded_tape_replays_to_the_same_results_and_tells_the_op_that_diffe
     assert tape.replay(fp, agree) is None
     tape.entries[1].expect[0] = fp(torch.zeros(6, 8))  # the cat's recorded result no longer matches its replay
     assert tape.replay(fp, agree) == "op1"
+
+
+def test_a_boundary_tensor_changed_in_place_stays_stale_when_re_pointed():
+    """A boundary tensor kept by reference whose version moved is stale (the replay reports it, never reads new
+    values as the old); re-pointing it to an alias of its storage with a counter of its own (a gradient about to
+    take another storage) keeps it stale, while an unchanged one stays replayable."""
+    from trainguard.sdc.dmr.agc import StaleInput
+    from trainguard.sdc.dmr.engine import _alias
+
+    fp = dops.Fingerprint.of
+
+    def agree(name, expect, got):
+        return expect.matches(got)
+
+    for changed in (False, True):
+        g = torch.randn(4, 4)
+        tape = Tape("seg", None, n_ops=1)
+        tape.record("op0", aten.mul.Tensor, (g, g), {}, torch.mul(g, g), fp, lambda t: False, lambda t: True)
+        if changed:
+            g.add_(1.0)  # written after it was kept, with no copy made for the tape
+        tape.repoint(dops.storage_key(g), _alias)
+        if changed:
+            with pytest.raises(StaleInput):
+                tape.replay(fp, agree)
+        else:
+            assert tape.replay(fp, agree) is None

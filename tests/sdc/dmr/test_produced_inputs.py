@@ -93,6 +93,52 @@ def test_the_copy_made_before_a_transfer_writes_a_kept_input_is_no_op_of_the_ste
         dist.destroy_process_group()
 
 
+def test_an_input_written_in_place_before_its_check_runs_is_copied_for_the_check_first():
+    """A deferred check keeps an input by reference, and an op writes that input in place before the check runs (in
+    a pipeline with replicas: the check of the concatenation for the gradient all-reduce, left to the drain when its
+    window closed first, and the reduced gradients copied back into the gradients it read). The check gets a copy
+    first, so it still runs: nothing stale (the version bump used to leave it uncheckable), no false detection, and
+    a fault in that op is still found."""
+    from trainguard.faults import Fault, FaultModel, Injector, OpSite
+
+    for flip in (False, True):
+        eng = _engine()
+        w = torch.randn(16, 16)
+        eng._param_storages.add(dops.storage_key(w))
+        faults = [Fault(OpSite("aten.mm*", "forward", 1, compute_only=True), FaultModel("bitflip", field="exponent"),
+                        step=0)] if flip else []
+        injector = Injector(faults, seed=1)
+        with injector.step_context(0), eng.step_context(0):
+            a = torch.mm(w, w)
+            torch.mm(a, w)  # deferred: keeps ``a`` by reference
+            a.copy_(w)  # written in place before the window
+            eng.window("pp", lambda: time.sleep(0.05))
+        assert len(injector.records) == int(flip)
+        assert eng.counts["kept-input-copied"] == 1 and eng.totals["stale"] == 0
+        assert eng.totals["detected"] == int(flip)
+
+
+def test_an_input_changed_behind_the_engines_back_stays_stale_when_its_gradient_is_re_pointed():
+    """A kept input whose version moved without the engine seeing the write (not checkable: the check reports it
+    stale) stays stale when a gradient swap re-points the check to an alias of that storage with a version counter
+    of its own. Re-pointing used to take the alias's version as the one to expect: the check then read the changed
+    values and reported a mismatch in a clean step."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    eng = _engine()
+    w = torch.randn(16, 16)
+    eng._param_storages.add(dops.storage_key(w))
+    with eng.step_context(0):
+        a = torch.mm(w, w)
+        torch.mm(a, w)  # deferred: keeps ``a`` by reference
+        with _disable_current_modes():
+            a.add_(1.0)  # the engine does not see it: only the version counter moves
+        eng._repoint(a)  # (as before a gradient takes another storage)
+        eng.window("pp", lambda: time.sleep(0.05))
+    # (stale twice: the kept input, and the fingerprint of the op that made it, taken later from the same tensor)
+    assert eng.totals["stale"] == 2 and eng.totals["detected"] == 0
+
+
 def test_writing_back_a_repaired_update_is_no_op_of_the_step():
     from trainguard.faults.injector import Injector
 

@@ -122,8 +122,8 @@ class Tape:
             for i, leaf in enumerate(e.leaves):
                 if isinstance(leaf, tuple) and leaf and leaf[0] == "keep" and leaf[2] is not None:
                     t = alias(leaf[1])
-                    if t is not leaf[1]:
-                        e.leaves[i] = ("keep", t, t._version)
+                    if t is not leaf[1]:  # (one changed in place since it was kept stays stale: a version it never has)
+                        e.leaves[i] = ("keep", t, t._version if leaf[1]._version == leaf[2] else -1)
 
     def replay(self, fingerprint: Callable[[Any], Any], agree: Callable[[str, Any, Any], bool]) -> str | None:
         """Re-run the tape; returns the id of the first op whose replay differs (None: all agree)."""

@@ -962,15 +962,17 @@ class DMREngine:
         return x.fp
 
     def _settle_written(self, func, args, kwargs, every: bool = False) -> None:
-        """Before an op writes into tensors whose fingerprints are still to be taken: take them now. ``every``:
-        all its tensor arguments (communication: a receive writes its buffer when the transfer completes,
-        outside the dispatcher and without a version bump)."""
+        """Before an op writes into tensors whose fingerprints are still to be taken: take them now; and queued
+        checks that keep one of those tensors as an input get a copy of it. ``every``: all its tensor arguments
+        (communication: a receive writes its buffer when the transfer completes, outside the dispatcher and without
+        a version bump). An in-place op bumps the version, which would leave such a check stale (not checkable);
+        it is copied instead: a check left to a later window or the drain, after an op that writes its input (the
+        gradient copied back from the replicas' all-reduce into the gradients it concatenated), still runs."""
         for t in (dops.call_tensors(args, kwargs) if every else dops.written_args(func, args, kwargs)):
             waiting = self._later_by_storage.pop(_storage_key(t), None)
             for lz in waiting or ():
                 self._resolve(lz)
-            if every:
-                self._copy_kept(t)
+            self._copy_kept(t)
 
     def _copy_kept(self, t: torch.Tensor) -> None:
         """Queued checks that keep ``t``'s storage by reference get their own copy of it."""
@@ -1488,8 +1490,9 @@ class DMREngine:
                 held["args"], held["ins"], held["versions"] = None, [], []  # checked: the inputs are released
 
         # An input kept by reference may later be handed to a collective that writes it outside the dispatcher
-        # (a receive reusing the buffer): it is copied first (see _settle_written), so the check reads the value
-        # the primary read, never a buffer being written by a transfer while the worker runs.
+        # (a receive reusing the buffer), or be written in place by a later op: it is copied first (see
+        # _settle_written), so the check reads the value the primary read, never a buffer being written by a
+        # transfer while the worker runs.
         if self.deferrable:
             for key, t in by_ref:
                 self._kept_by_storage.setdefault(key, []).append((held, weakref.ref(t)))
@@ -1610,15 +1613,19 @@ class DMREngine:
             if a is None:
                 a = aliases[id(v)] = _alias(v)
             return a
+        # A tensor already changed in place since it was kept (a copy_ into the gradient, say) stays unusable: its
+        # alias gets a version it can never have, so the check still reports it stale instead of reading new values.
         for lz in self._later_by_storage.get(key, ()):
             if lz.value is not None:
+                stale = [t._version != v for t, v in zip(dops.tensors(lz.value), lz.versions)]
                 lz.value = dops.map_tensors(swap, lz.value)
-                lz.versions = [t._version for t in dops.tensors(lz.value)]
+                lz.versions = [-1 if s else t._version for t, s in zip(dops.tensors(lz.value), stale)]
         for held, _ in self._kept_by_storage.get(key, ()):
             if held["args"] is not None:
+                stale = [t._version != v for t, v in zip(held["ins"], held["versions"])]
                 held["args"] = dops.map_tensors(swap, held["args"])
                 held["ins"] = [swap(v) for v in held["ins"]]
-                held["versions"] = [v._version for v in held["ins"]]
+                held["versions"] = [-1 if s else v._version for v, s in zip(held["ins"], stale)]
         for tape in self._tapes.values():
             tape.repoint(key, swap)
 
