@@ -186,13 +186,14 @@ def test_dmr_on_a_two_by_two_mesh_with_a_fault_on_every_rank_at_once_ends_bitwis
 @pytest.mark.parametrize("rank", [0, 3])
 def test_dmr_on_a_two_by_two_mesh_defers_checks_into_the_replicas_gradient_all_reduce(tmp_path, rank):
     """In a pipeline with replicas each stage all-reduces its gradients over its replicas after the schedule, with
-    nothing to compute meanwhile: a ``dp`` window. The plan defers checks into it (an emulated 60 ms link makes it
-    long enough whatever the host's load), and a bit flip in rank ``rank``'s first op planned there (stage 0 of
-    replica 0, stage 1 of replica 1) is found by that check; every rank re-executes the step, bitwise."""
+    nothing to compute meanwhile: a ``dp`` window. With ``[sdc.dmr] dp_windows`` the plan defers checks into it (an
+    emulated 60 ms link makes it long enough whatever the host's load), and a bit flip in rank ``rank``'s first op
+    planned there (stage 0 of replica 0, stage 1 of replica 1) is found by that check; every rank re-executes the
+    step, bitwise."""
     mesh = [*PP, "--distributed.dp", "2", "--distributed.emulate_link_delay_ms", "60"]
     clean = run_dist(tmp_path, "clean", 4, "clean", *mesh)
     got = run_dist(tmp_path, "dmr", 4, f"dmrwin:{rank}:2:dp", *mesh, "--sdc.dmr.enabled", "true",
-                   "--sdc.dmr.coverage", "true")
+                   "--sdc.dmr.coverage", "true", "--sdc.dmr.dp_windows", "true")
     assert all(any(w.startswith("dp:") for w in r["agc"]["windows"]) for r in got), [r["agc"]["windows"] for r in got]
     op, _, _, window = got[rank]["agc"]["op"]
     assert got[rank]["fired"] and window.startswith("dp:")
@@ -206,10 +207,9 @@ def test_dmr_on_a_two_by_two_mesh_defers_checks_into_the_replicas_gradient_all_r
 
 @pytest.mark.slow
 def test_dmr_planned_without_dp_windows_leaves_the_all_reduce_to_unplanned_checks(tmp_path):
-    """``[sdc.dmr] dp_windows = false`` (the paper's windows only): no op is planned into a dp window."""
+    """``[sdc.dmr] dp_windows = false``, the default (the paper's windows only): no op is planned into a dp window."""
     mesh = [*PP, "--distributed.dp", "2", "--distributed.emulate_link_delay_ms", "60", "--train.steps", "2"]
-    got = run_dist(tmp_path, "nodp", 4, "dmrwin:0:1:dp", *mesh, "--sdc.dmr.enabled", "true",
-                   "--sdc.dmr.dp_windows", "false")
+    got = run_dist(tmp_path, "nodp", 4, "dmrwin:0:1:dp", *mesh, "--sdc.dmr.enabled", "true")
     assert all(r["agc"]["windows"] and not any(w.startswith("dp:") for w in r["agc"]["windows"]) for r in got)
     assert not any(r["fired"] for r in got)
 

@@ -81,6 +81,23 @@ def test_pdmr_tail_flag(tmp_path, capsys):
     assert bad.value.code == 2 and "--pdmr-tail" in capsys.readouterr().err
 
 
+def test_dp_windows_flag(tmp_path, capsys, profile_path):
+    """The synthetic stage ends its iteration with a dp window (its gradient all-reduce over the replicas, 2 s):
+    planned into with --dp-windows, within the share of it the planner fills, and left alone by default
+    ([sdc.dmr] dp_windows = false, the paper's windows only)."""
+    got = {}
+    for flag in ("--dp-windows", "--no-dp-windows", None):
+        rc, out, _ = _run(capsys, "--profile", str(profile_path), *([flag] if flag else []),
+                          "--out", str(tmp_path / f"{flag}.json"), "--figure", "", "--json")
+        assert rc == 0
+        got[flag] = Plan.load(json.loads(out.strip().splitlines()[-1])["plan"])
+    in_dp = [o for o in got["--dp-windows"].ops.values() if o.window == "dp"]
+    assert in_dp and all(o.strategy == "d-inter" for o in in_dp)
+    assert sum(o.time_s for o in in_dp) <= 0.8 * 2.0  # (window_fill's default share of the window)
+    assert not any(o.window == "dp" for o in got["--no-dp-windows"].ops.values())
+    assert got[None].ops == got["--no-dp-windows"].ops
+
+
 def test_human_output(capsys, profile_path):
     rc, out, _ = _run(capsys, "--profile", str(profile_path), "--out", "", "--figure", "")
     assert rc == 0 and "coverage" in out and "100.0%" in out and "strategies" in out

@@ -1,15 +1,17 @@
 """``trainguard plan dmr``: the SpareTrain DMR plan of one rank's training iteration.
 
 ``plan dmr --profile PROFILE.json [--phases 1|1,2|1,2,3] [--memory-budget BYTES] [--pdmr-tail defer|recompute]
-[--window-fill F] [--out PLAN.json] [--figure FIG.png] [--json]`` reads a DMR profile (trainguard.sdc.dmr.profile), plans it
-(trainguard.sdc.dmr.planner), prints the summary next to the No-DMR and Naive-Only baselines, writes the
-plan JSON and the timeline figure (trainguard.report.dmr_timeline). ``--model M [--pp 2] [--steps N]``
-profiles a model first with ``trainguard.sdc.dmr.profiler.profile_run`` where that exists.
+[--window-fill F] [--[no-]dp-windows] [--out PLAN.json] [--figure FIG.png] [--json]`` reads a DMR profile
+(trainguard.sdc.dmr.profile), plans it (trainguard.sdc.dmr.planner), prints the summary next to the No-DMR and
+Naive-Only baselines, writes the plan JSON and the timeline figure (trainguard.report.dmr_timeline).
+``--model M [--pp 2] [--dp 1] [--steps N]`` profiles a model first with
+``trainguard.sdc.dmr.profiler.profile_run`` where that exists (rank 0's iteration).
 Registered by ``plan.py``.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import re
@@ -40,6 +42,8 @@ def register_plan(subparsers) -> None:
     p.add_argument("--profile", help="DMR profile JSON of one rank's iteration (written by the DMR profiler)")
     p.add_argument("--model", help="profile this model first (needs trainguard.sdc.dmr.profiler)")
     p.add_argument("--pp", type=int, default=2, help="pipeline stages for --model")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas for --model (with --pp 2: a mesh of "
+                   "pp x dp processes, whose stages' gradient all-reduce is a dp window)")
     p.add_argument("--steps", type=int, default=3, help="profiled iterations for --model")
     p.add_argument("--phases", default="1,2,3", help="planner phases: 1, 1,2 or 1,2,3 (default)")
     p.add_argument("--memory-budget", default=None, help="device memory budget (default: the profile's), e.g. 80GiB")
@@ -53,6 +57,9 @@ def register_plan(subparsers) -> None:
                    help="naive backward ops the engine may carry past the update into the next iteration's windows: "
                         "unbounded (default, as [sdc.dmr] carry_budget: all) or windows (as many as the profiled "
                         "windows have room for); with --phases 1,2,3 only (carrying is deferral)")
+    p.add_argument("--dp-windows", action=argparse.BooleanOptionalAction, default=DMRConfig().dp_windows,
+                   help="defer checks into data-parallel windows too (a pipeline stage's gradient all-reduce over its "
+                        "replicas), as [sdc.dmr] dp_windows (default: off, the paper's pp, tp and ep windows only)")
     p.add_argument("--out", default="runs/plan-dmr/plan.json", help="plan JSON to write ('' to skip)")
     p.add_argument("--figure", default="runs/plan-dmr/timeline.png", help="timeline figure to write ('' to skip)")
     add_json_flag(p)
@@ -73,9 +80,9 @@ def _profile(args):
     if fn is None:
         raise TrainguardError("--model needs the DMR profiler (trainguard.sdc.dmr.profiler.profile_run), which this "
                               "build lacks: pass --profile PROFILE.json")
-    if args.pp < 1 or args.steps < 1:
-        raise ConfigError(f"--pp and --steps must be >= 1, got {args.pp}, {args.steps}")
-    return fn(model=args.model, pp=args.pp, steps=args.steps), f"model {args.model}"
+    if args.pp < 1 or args.dp < 1 or args.steps < 1:
+        raise ConfigError(f"--pp, --dp and --steps must be >= 1, got {args.pp}, {args.dp}, {args.steps}")
+    return fn(model=args.model, pp=args.pp, steps=args.steps, dp=args.dp), f"model {args.model}"
 
 
 def run(args) -> int:
@@ -92,7 +99,8 @@ def run(args) -> int:
         raise ConfigError(f"--figure must end in .png, .svg or .pdf, got {args.figure!r}")
     profile, source = _profile(args)
     plan = plan_static(profile, PlannerConfig(phases=phases, memory_budget_bytes=budget, pdmr_tail=args.pdmr_tail,
-                                              window_fill=args.window_fill, carry=args.carry))
+                                              window_fill=args.window_fill, carry=args.carry,
+                                              use_dp_windows=args.dp_windows))
     base = {"no-dmr": no_dmr(profile).summary, "naive-only": naive_only(profile).summary}
     fig = out = None
     try:

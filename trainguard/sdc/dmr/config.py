@@ -76,7 +76,7 @@ class DMRConfig:
     window_fill: float = setting(0.8, help="share of each communication window the planner fills with checks (the "
                                  "rest absorbs checkers that run slower than profiled, e.g. beside another rank's "
                                  "compute; what does not fit goes to another window, or is carried or checked at once)")
-    dp_windows: bool = setting(True, help="the planner may defer checks into data-parallel windows too: a pipeline "
+    dp_windows: bool = setting(False, help="the planner may defer checks into data-parallel windows too: a pipeline "
                                "stage's gradient all-reduce over its replicas, which runs after the schedule with "
                                "nothing to compute (dp > 1 with pp > 1; plain DDP overlaps its all-reduce with the "
                                "backward and has no such window). false: only pp, tp and ep windows, as in the paper "

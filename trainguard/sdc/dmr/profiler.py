@@ -3,10 +3,11 @@
 over the iteration) and return the :class:`~trainguard.sdc.dmr.profile.Profile` of each rank.
 
 ``profile_run(model="llama-60m", pp=2)`` trains the model's first step in ``pp`` pipeline stages (under
-torchrun, one process per stage) with activation checkpointing, and returns stage 0's profile; every stage's
-profile is in ``profile.meta["profiles"]`` (paths of the JSON files when ``out_dir`` is given). The engine
-does the recording itself (``DMREngine`` profiles the first attempt of a run and plans the rest); this module
-only sets up the run. Relies on the Trainer, the DMR engine and torch's elastic launcher.
+torchrun, one process per stage; ``dp`` replicas of them: ``pp * dp`` processes) with activation checkpointing,
+and returns rank 0's profile (stage 0 of replica 0); every rank's profile is in ``profile.meta["profiles"]``
+(paths of the JSON files when ``out_dir`` is given). The engine does the recording itself (``DMREngine``
+profiles the first attempt of a run and plans the rest); this module only sets up the run. Relies on the
+Trainer, the DMR engine and torch's elastic launcher.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ from trainguard.train import Trainer, TrainerConfig
 from trainguard.train.launch import run_workers, worker_error
 
 
-def _overrides(model: str, pp: int, batch: int, seq_len: int, microbatches: int) -> list[str]:
+def _overrides(model: str, pp: int, batch: int, seq_len: int, microbatches: int, dp: int = 1) -> list[str]:
     out = ["--model.preset", model, "--data.seq_len", str(seq_len), "--data.batch_size", str(batch),
            "--data.max_bytes", str(max(2_000_000, 64 * batch * (seq_len + 2))), "--train.steps", "1000",
            "--train.eval_every", "0", "--train.activation_checkpoint", "full", "--output.dir", "",
            "--output.progress", "false", "--output.metrics", "false"]
     if pp > 1:
         out += ["--distributed.pp", str(pp), "--distributed.microbatches", str(microbatches)]
+    if dp > 1:
+        out += ["--distributed.dp", str(dp)]
     return out
 
 
@@ -50,9 +53,10 @@ def profile_rank(overrides: list[str], steps: int = 1) -> Profile:
 
 
 def profile_run(model: str = "llama-60m", pp: int = 2, steps: int = 1, batch: int = 8, seq_len: int = 128,
-                microbatches: int = 4, out_dir: str | Path | None = None) -> Profile:
-    overrides = _overrides(model, pp, batch, seq_len, microbatches)
-    if pp == 1:
+                microbatches: int = 4, out_dir: str | Path | None = None, dp: int = 1) -> Profile:
+    overrides = _overrides(model, pp, batch, seq_len, microbatches, dp)
+    world = pp * dp
+    if world == 1:
         prof = profile_rank(overrides, steps)
         prof.meta["profiles"] = [prof.to_json()] if out_dir is None else []
         return prof
@@ -61,10 +65,10 @@ def profile_run(model: str = "llama-60m", pp: int = 2, steps: int = 1, batch: in
         target.mkdir(parents=True, exist_ok=True)
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps({"overrides": overrides, "steps": steps}))
-        proc = run_workers(pp, "trainguard.sdc.dmr.profiler", str(target), str(spec))
+        proc = run_workers(world, "trainguard.sdc.dmr.profiler", str(target), str(spec))
         if proc.returncode != 0:
-            raise TrainguardError("DMR profiling: a pipeline process failed: " + worker_error(proc.stderr))
-        paths = [target / f"profile-rank{r}.json" for r in range(pp)]
+            raise TrainguardError("DMR profiling: a training process failed: " + worker_error(proc.stderr))
+        paths = [target / f"profile-rank{r}.json" for r in range(world)]
         prof = Profile.load(paths[0])
         prof.meta["profiles"] = [str(p) for p in paths] if out_dir is not None else \
             [Profile.load(p).to_json() for p in paths]
