@@ -114,6 +114,7 @@ def test_human_output(capsys, profile_path):
     (["--profile", "{good}", "--window-fill", "1.5"], "--window-fill must be in (0, 1]"),
     (["--profile", "{good}", "--window-fill", "nan"], "--window-fill: must be a finite number"),
     (["--profile", "{good}", "--model", "llama-tiny"], "either --profile or --model"),
+    (["--model", "llama-tiny", "--dp", "0"], "--pp, --dp and --steps must be >= 1"),
     ([], "pass --profile"),
     (["--profile", "{good}", "--figure", "{good}.gif"], "--figure must end in"),
     (["--profile", "{good}", "--out", "{good}/plan.json"], "cannot write"),

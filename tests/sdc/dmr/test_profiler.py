@@ -31,3 +31,21 @@ def test_plan_dmr_profiles_a_model(capsys):
     assert rc == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["summary"]["coverage"] == 1.0
+
+
+def test_plan_dmr_profiles_a_pipeline_with_replicas_and_plans_into_its_dp_window_on_request(tmp_path, capsys):
+    """``--pp 2 --dp 2``: four processes; rank 0's profile has the stage's gradient all-reduce as a dp window, and
+    ``--dp-windows`` plans checks into it (by default none go there)."""
+    from trainguard.sdc.dmr.plan import Plan
+
+    planned = {}
+    for flag in ("--dp-windows", "--no-dp-windows"):
+        out = tmp_path / f"{flag}.json"
+        rc = main(["plan", "dmr", "--model", "llama-tiny", "--pp", "2", "--dp", "2", "--steps", "1", flag,
+                   "--out", str(out), "--figure", "", "--json"])
+        assert rc == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["summary"]["coverage"] == 1.0
+        plan = Plan.load(out)
+        assert "dp:0" in {w.id for w in plan.windows}
+        planned[flag] = [k for k, o in plan.ops.items() if o.window == "dp:0"]
+    assert planned["--dp-windows"] and not planned["--no-dp-windows"]
