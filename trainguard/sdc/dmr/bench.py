@@ -49,6 +49,7 @@ from trainguard.sdc.dmr.engine import attach
 from trainguard.sdc.dmr.planner import plan_static
 from trainguard.train import Trainer, TrainerConfig
 from trainguard.train.host_memory import HeapPeak
+from trainguard.train.launch import exit_rank
 
 SYSTEMS = ("none", "naive", "sparetrain-p1", "sparetrain-p12", "sparetrain")
 PHASES = {"sparetrain-p1": (1,), "sparetrain-p12": (1, 2), "sparetrain": (1, 2, 3)}
@@ -335,4 +336,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    exit_rank(main(sys.argv[1:]))  # (a rank: leave without torch's gloo teardown, see exit_rank)

@@ -25,7 +25,6 @@ Relies on torch, the Trainer, the fault injector and the DMR engine.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from trainguard.faults import Fault, FaultModel, Injector, OpSite
 from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import attach
 from trainguard.train import Trainer, TrainerConfig
+from trainguard.train.launch import exit_rank
 from trainguard.utils import TaskBar
 
 PHASES = ("forward", "recompute", "backward", "optimizer")
@@ -171,11 +171,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    # A rank that built a DistributedDataParallel wrapper per trial (--dp 2) sometimes aborts in torch's C++
-    # teardown at interpreter exit ("terminate called without an active exception", no Python frame; about one
-    # run in three under load), after its results are written; the launcher then reports the rank failed. Its work
-    # is done and its process group destroyed (run_rank closes it): leave without the C++ destructors.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # (a rank that built a DistributedDataParallel wrapper per trial, --dp 2, aborted at exit in about one run in
+    # three under load: torch's gloo teardown during finalization; see exit_rank)
+    exit_rank(main(sys.argv[1:]))

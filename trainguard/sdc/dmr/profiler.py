@@ -25,7 +25,7 @@ from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import attach
 from trainguard.sdc.dmr.profile import Profile
 from trainguard.train import Trainer, TrainerConfig
-from trainguard.train.launch import run_workers, worker_error
+from trainguard.train.launch import exit_rank, run_workers, worker_error
 
 
 def _overrides(model: str, pp: int, batch: int, seq_len: int, microbatches: int, dp: int = 1) -> list[str]:
@@ -84,4 +84,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    exit_rank(main(sys.argv[1:]))  # (a rank: leave without torch's gloo teardown, see exit_rank)

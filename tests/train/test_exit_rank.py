@@ -1,0 +1,38 @@
+"""A rank leaves with ``launch.exit_rank``: torch's gloo process group destroys a collective's work on its own
+thread, and one that releases a Python-owned tensor while the interpreter finalizes aborts the process
+("terminate called without an active exception"). A script that leaves an all-reduce in flight shows the abort on
+the pinned torch (the control: once it passes, torch no longer needs the workaround) and none with exit_rank."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from trainguard.train.launch import exit_rank
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+x = torch.ones(50_000_000)
+work = dist.all_reduce(x, async_op=True)  # still running when the process ends: its work dies on gloo's thread
+del work, x
+print("results written")
+if sys.argv[1] == "exit_rank":
+    exit_rank(0)
+"""
+
+
+def _run(how: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT, how], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+
+
+def test_a_rank_that_leaves_with_exit_rank_does_not_abort_in_gloos_teardown_and_keeps_its_output():
+    left = _run("exit_rank")
+    assert left.returncode == 0, left.stderr[-2000:]
+    assert left.stdout.strip() == "results written"  # (flushed before leaving)
+    control = _run("finalize")
+    assert control.returncode != 0 and "terminate called" in control.stderr, (
+        "the pinned torch no longer aborts here: exit_rank's workaround may go", control.returncode, control.stderr[-500:])
