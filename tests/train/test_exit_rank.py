@@ -1,7 +1,8 @@
 """A rank leaves with ``launch.exit_rank``: torch's gloo process group destroys a collective's work on its own
 thread, and one that releases a Python-owned tensor while the interpreter finalizes aborts the process
 ("terminate called without an active exception"). A script that leaves an all-reduce in flight shows the abort on
-the pinned torch (the control: once it passes, torch no longer needs the workaround) and none with exit_rank."""
+the pinned torch (the control: once it no longer aborts, torch no longer needs the workaround) and none with
+exit_rank."""
 
 import subprocess
 import sys
@@ -33,6 +34,11 @@ def test_a_rank_that_leaves_with_exit_rank_does_not_abort_in_gloos_teardown_and_
     left = _run("exit_rank")
     assert left.returncode == 0, left.stderr[-2000:]
     assert left.stdout.strip() == "results written"  # (flushed before leaving)
-    control = _run("finalize")
+    # the control: the same script finalizing as usual aborts (on a loaded host the in-flight work may finish first:
+    # 9 runs in 10 aborted beside three busy processes, so up to five tries)
+    for _ in range(5):
+        control = _run("finalize")
+        if control.returncode != 0:
+            break
     assert control.returncode != 0 and "terminate called" in control.stderr, (
         "the pinned torch no longer aborts here: exit_rank's workaround may go", control.returncode, control.stderr[-500:])
