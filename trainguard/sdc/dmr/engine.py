@@ -969,14 +969,15 @@ class DMREngine:
         it is copied instead: a check left to a later window or the drain, after an op that writes its input (the
         gradient copied back from the replicas' all-reduce into the gradients it concatenated), still runs."""
         for t in (dops.call_tensors(args, kwargs) if every else dops.written_args(func, args, kwargs)):
-            waiting = self._later_by_storage.pop(_storage_key(t), None)
+            key = _storage_key(t)
+            waiting = self._later_by_storage.pop(key, None)
             for lz in waiting or ():
                 self._resolve(lz)
-            self._copy_kept(t)
+            self._copy_kept(key)
 
-    def _copy_kept(self, t: torch.Tensor) -> None:
-        """Queued checks that keep ``t``'s storage by reference get their own copy of it."""
-        for held, ref in self._kept_by_storage.pop(_storage_key(t), ()):
+    def _copy_kept(self, key: int) -> None:
+        """Queued checks that keep the storage ``key`` by reference get their own copy of what they keep of it."""
+        for held, ref in self._kept_by_storage.pop(key, ()):
             kept = ref()
             if kept is None or held["args"] is None:  # (already checked)
                 continue

@@ -44,7 +44,7 @@ from trainguard.train.parallel.base import (
     init_default_group,
     reduce_verdicts_over,
 )
-from trainguard.train.parallel.schedule import WindowedSchedule1F1B
+from trainguard.train.parallel.schedule import WindowedSchedule1F1B, land
 
 if TYPE_CHECKING:
     from trainguard.train.trainer import Trainer
@@ -198,7 +198,7 @@ class PipelineStrategy(Strategy):
             # the step's last ops meanwhile, ``[sdc.dmr] dp_windows``)
             issued = time.perf_counter()
             work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
-            self.run_window("dp", lambda: self._land(work, issued))
+            self.run_window("dp", lambda: land([work], issued, self.link_delay_s))
             off = 0
             for g in grads:
                 g.copy_(flat[off:off + g.numel()].view_as(g))
@@ -208,14 +208,6 @@ class PipelineStrategy(Strategy):
         if self.is_last and self._losses:
             return torch.stack([v.detach().float() for v in self._losses]).mean()
         return torch.zeros((), device=trainer.device)
-
-    def _land(self, work: dist.Work, issued: float) -> None:
-        """Wait for the gradient all-reduce; on an emulated slow link it lands ``emulate_link_delay_ms`` after its
-        issue, as the schedule's transfers do."""
-        left = issued + self.link_delay_s - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-        work.wait()
 
     def _run_schedule(self, x, y, losses: list, train: bool) -> None:
         """One schedule step (``train``) or forward-only pass; appends the last stage's micro-batch losses."""

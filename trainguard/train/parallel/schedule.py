@@ -34,6 +34,17 @@ SCHEDULE_API = ("_initialize_stage", "_maybe_compute_loss", "_maybe_get_loss", "
 WaitHook = Callable[[str, Callable[[], Any]], Any]
 
 
+def land(works: list[dist.Work], issued: float, link_delay_s: float) -> None:
+    """Wait for ``works``; on an emulated slow link (``link_delay_s`` > 0) not before ``link_delay_s`` after
+    ``issued`` (a ``time.perf_counter()`` reading taken when they were issued)."""
+    if link_delay_s > 0:
+        left = issued + link_delay_s - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+    for w in works:
+        w.wait()
+
+
 class WindowedSchedule1F1B(Schedule1F1B):
     def __init__(self, *args, on_wait: WaitHook | None = None, link_delay_s: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -50,13 +61,8 @@ class WindowedSchedule1F1B(Schedule1F1B):
         if not works:
             return
 
-        def wait() -> None:
-            if self.link_delay_s > 0:  # an emulated slow link: the transfer lands link_delay_s after its issue
-                left = issued + self.link_delay_s - time.perf_counter()
-                if left > 0:
-                    time.sleep(left)
-            for w in works:
-                w.wait()
+        def wait() -> None:  # (an emulated slow link: the transfer lands link_delay_s after its issue)
+            land(works, issued, self.link_delay_s)
 
         t0 = time.perf_counter()
         if self.on_wait is not None:
