@@ -28,23 +28,21 @@ def clean_held(batches):
     return params(ref)
 
 
-class _Threads(Injector):
-    """Records on which thread each of the verifier's ``mm`` ran (``mms``: step, on a worker thread)."""
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.mms: list[tuple[int, bool]] = []
+class _OnTheWorker(Injector):
+    """Sees the verifier's own ops only where they run on a worker thread (the window's): its sites count and strike
+    those alone. Which checks the worker reaches before its window closes depends on the host's load (the rest run
+    on the main thread, in the drain), so an occurrence counted in one run may land on the main thread in the next;
+    counted among the worker's ops alone, occurrence 0 is the first checker op the worker runs, whichever it is."""
 
     def _on_op(self, func, out, args=(), kwargs=None):
-        if self.step is not None and _CHECKER.active and str(func).startswith("aten.mm"):
-            self.mms.append((self.step, threading.current_thread() is not threading.main_thread()))
+        if _CHECKER.active and threading.current_thread() is threading.main_thread():
+            return None
         return super()._on_op(func, out, args, kwargs)
 
 
-def _run(batches, fault: Fault | None, count: bool = False):
+def _run(batches, faults: list[Fault], injector: type[Injector] = Injector):
     t = trainer(batches)
-    inj = _Threads([fault] if fault is not None else [], seed=5).attach(t)
-    inj.count_verifier = count
+    inj = injector(faults, seed=5).attach(t)
     eng = windowed(t, "thread")
     for _ in range(3):
         t.train_step()
@@ -52,16 +50,16 @@ def _run(batches, fault: Fault | None, count: bool = False):
 
 
 def test_a_fault_in_a_checker_on_the_window_worker_is_detected_and_the_run_ends_bitwise(batches, clean):
-    _, _, counted = _run(batches, None, count=True)
-    step1 = [on_worker for step, on_worker in counted.mms if step == 1]
-    assert True in step1, "no checker mm ran on the window's worker"
-    occurrence = step1.index(True)
-    fault = Fault(OpSite("aten.mm*", "any", occurrence, compute_only=True, verifier=True),
-                  FaultModel("bitflip", bit=30), step=1)
-    t, eng, inj = _run(batches, fault)
-    (rec,) = inj.records
-    assert rec.phase == "verifier" and rec.target.startswith("aten.mm") and rec.thread == "worker"
-    assert eng.totals["detected"] >= 1  # the checker disagreed with a correct primary: the iteration ran again
+    # the first checker mm the worker runs in step 1, and in step 2 too: a loaded host may leave a window's
+    # worker no time for an mm in one step, never (with a 100 ms window) in both
+    faults = [Fault(OpSite("aten.mm*", "any", 0, compute_only=True, verifier=True), FaultModel("bitflip", bit=30),
+                    step=step) for step in (1, 2)]
+    t, eng, inj = _run(batches, faults, _OnTheWorker)
+    assert inj.records, "no checker mm ran on the window's worker in step 1 or 2"
+    assert all(r.phase == "verifier" and r.target.startswith("aten.mm") and r.thread == "worker"
+               for r in inj.records)
+    # each fault made a checker disagree with a correct primary: its iteration ran again
+    assert eng.totals["detected"] >= len(inj.records)
     assert equal(params(t), clean)
 
 
@@ -71,7 +69,7 @@ def test_a_fault_in_the_copy_of_the_state_before_the_held_update_is_copied_again
     run from the same corrupted copy, agreed with the checker: the engine 'repaired' the parameters with wrong
     values and reported the fault fixed. The copy is now compared with its source and taken again."""
     fault = Fault(OpSite("aten._foreach_copy_*", "any", 0, verifier=True), FaultModel("value", value=1e6), step=0)
-    t, eng, inj = _run(batches, fault)
+    t, eng, inj = _run(batches, [fault])
     (rec,) = inj.records
     assert rec.phase == "verifier" and rec.target.startswith("aten._foreach_copy_") and rec.thread == "main"
     assert equal(params(t), clean)  # (the unverified copy: a 'repaired' update, not bitwise equal)
