@@ -12,7 +12,7 @@ from pathlib import Path
 from trainguard.cli.args import finite_float
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
-from trainguard.sdc.dmr.bench import SYSTEMS, merge, run_rank
+from trainguard.sdc.dmr.bench import CHOICES, FLOOR, SYSTEMS, merge, run_rank
 from trainguard.sdc.dmr.config import CARRY_MODES, DMRConfig
 from trainguard.train import TrainerConfig
 from trainguard.train.launch import run_workers, worker_error
@@ -42,7 +42,10 @@ def register_bench(subparsers) -> None:
     p.add_argument("--hold-idle", action=argparse.BooleanOptionalAction, default=True,
                    help="with --idle-fraction: re-set the emulated link after each round from that round's No-DMR idle "
                         "share, so the timed rounds stay at the target as the host's speed drifts (default on)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated, from {', '.join(CHOICES)} (default: all but {FLOOR}). {FLOOR}: a bound, not "
+                        "a DMR system: every op through a Python dispatch mode that checks nothing (what any verifier "
+                        "built on one costs at least; gain_ceiling_python_mode in the output)")
     p.add_argument("--memory-budget-mb", type=finite_float, default=0.0,
                    help="memory the deferred checks may hold per rank ([sdc.dmr] memory_budget_mb; 0: its default)")
     p.add_argument("--carry-budget", choices=CARRY_MODES, default=DMRConfig().carry_budget,
@@ -64,9 +67,11 @@ def register_bench(subparsers) -> None:
 
 def _spec(args) -> dict:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    bad = [s for s in systems if s not in SYSTEMS]
+    bad = [s for s in systems if s not in CHOICES]
     if bad or not systems:
-        raise ConfigError(f"--systems: unknown {', '.join(bad) or '(none)'} (choose from {', '.join(SYSTEMS)})")
+        raise ConfigError(f"--systems: unknown {', '.join(bad) or '(none)'} (choose from {', '.join(CHOICES)})")
+    if len(set(systems)) != len(systems):
+        raise ConfigError(f"--systems: {args.systems!r} names a system twice")
     if not 0 <= args.idle_fraction < 0.95:
         raise ConfigError(f"--idle-fraction must be in [0, 0.95), got {args.idle_fraction}")
     if args.pp < 1 or args.rounds < 1 or args.steps < 1 or args.warmup < 1:

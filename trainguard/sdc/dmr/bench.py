@@ -27,12 +27,20 @@ grows (``peak_rss_bytes`` keeps it, per system as read after its rounds). Each r
 overhead and the gain are given round by round (``by_round``: each from one round's medians, systems paired
 within the round) with the worst round of each (``*_worst_round``): how far one run moves within itself.
 
+The gain over Naive-Only is bounded by Naive-Only's own overhead: ``gain_ceiling_free_verifier`` is the gain a
+verifier costing nothing would have. ``floor`` (only when asked for in ``systems``) is not a DMR system but a bound
+measured side by side: every op passes through a Python dispatch mode that checks nothing
+(:class:`~trainguard.sdc.dmr.engine.PassThroughMode`, views past Python, the recompute stopping early). Its
+``floor_overhead_vs_no_dmr`` is what any verifier built on a Python ``TorchDispatchMode`` costs at least, and
+``gain_ceiling_python_mode`` the most such a verifier could gain over Naive-Only in this run.
+
 Run inside each process by ``python -m trainguard.sdc.dmr.bench OUT CONFIG.json`` (torchrun for pipelines).
 Relies on torch (distributed), the Trainer and the DMR engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -44,14 +52,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainguard.sdc.dmr import ops as dops
 from trainguard.sdc.dmr.config import DMRConfig
-from trainguard.sdc.dmr.engine import attach
+from trainguard.sdc.dmr.engine import PassThroughMode, attach
 from trainguard.sdc.dmr.planner import plan_static
 from trainguard.train import Trainer, TrainerConfig
 from trainguard.train.host_memory import HeapPeak
 from trainguard.train.launch import exit_rank
 
-SYSTEMS = ("none", "naive", "sparetrain-p1", "sparetrain-p12", "sparetrain")
+SYSTEMS = ("none", "naive", "sparetrain-p1", "sparetrain-p12", "sparetrain")  # the default run
+# Not a DMR system but a bound, run only when asked for (``--systems ...,floor``): every op through a Python dispatch
+# mode that checks nothing (views past Python, the recompute stopping early, as SpareTrain's plan has it). What any
+# verifier built on a Python TorchDispatchMode costs at least; its gain over Naive-Only bounds SpareTrain's
+FLOOR = "floor"
+CHOICES = SYSTEMS + (FLOOR,)
 PHASES = {"sparetrain-p1": (1,), "sparetrain-p12": (1, 2), "sparetrain": (1, 2, 3)}
 CALIBRATION_TOLERANCE = 0.005  # |measured - target| idle fraction at which the emulated link's calibration stops
 # Between timed rounds the link is re-set from the round's No-DMR idle share (``hold_idle``). Half the correction a
@@ -107,8 +121,34 @@ def _warm_up(engine, trainer, system: str, plans: dict | None, most: int) -> int
     return most
 
 
+class _Floor:
+    """The ``floor`` system's step context (one per rank process): inactive until that system is set."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.mode: PassThroughMode | None = None
+        self.plain = True  # the model's parameters are plain tensors (views may skip Python modes)
+
+    def attach(self, trainer) -> None:
+        self.plain = not any(dops.dispatches_in_python(p) for p in trainer.model.parameters())
+        trainer.step_contexts.append(self.context)
+
+    @contextlib.contextmanager
+    def context(self, step: int):
+        if not self.on:
+            yield
+            return
+        self.mode = PassThroughMode()
+        with self.mode, dops.views_past_python() if self.plain else contextlib.nullcontext():
+            yield
+
+
+_FLOOR = _Floor()
+
+
 def _set_system(engine, trainer, system: str, plans: dict | None = None) -> None:
-    engine.set_system("sparetrain" if system.startswith("sparetrain") else system)
+    _FLOOR.on = system == FLOOR
+    engine.set_system("none" if system == FLOOR else "sparetrain" if system.startswith("sparetrain") else system)
     if plans and system in PHASES:
         engine.plan = plans[PHASES[system]]
 
@@ -173,6 +213,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
                                        carry_budget=spec.get("carry_budget", DMRConfig.carry_budget),
                                        profile_steps=spec.get("profile_steps", DMRConfig.profile_steps)).validate())
     systems = spec.get("systems", list(SYSTEMS))
+    if FLOOR in systems:
+        _FLOOR.attach(trainer)
     # warm-up (and calibration of the emulated link) on No-DMR
     _set_system(engine, trainer, "none")
     sched = getattr(trainer.strategy, "schedule", None)
@@ -227,6 +269,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
                 # its first step, which a training run does once, not once per round)
                 trainer.train_step()
             t, idle = _timed_steps(trainer, steps, engine, per[s]["where"])
+            if s == FLOOR and _FLOOR.mode is not None:
+                per[s]["mode_ops"] = _FLOOR.mode.ops  # (the last timed step's)
             per[s]["times"] += t
             per[s]["by_round"].append(statistics.median(t))
             per[s]["idle"].append(idle)
@@ -260,6 +304,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         "systems": {s: {"tokens_per_s": tokens / statistics.median(v["times"]), "step_s": statistics.median(v["times"]),
                         "idle_fraction": statistics.median(v["idle"]), "peak_rss_bytes": max(v["rss"]),
                         "peak_heap_bytes": heap[s], "step_s_by_round": v["by_round"],
+                        **({"ops_through_mode": v["mode_ops"]} if "mode_ops" in v else {}),
                         **{(k if k == "main_cpu_s" else f"checker_{k}"): statistics.median(x)
                            for k, x in v["where"].items()}}
                     for s, v in per.items()},
@@ -307,18 +352,29 @@ def merge(ranks: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
         out["overhead_vs_no_dmr"] = tps["none"] / tps["sparetrain"] - 1
     if "naive" in tps and "sparetrain" in tps:
         out["gain_vs_naive"] = tps["sparetrain"] / tps["naive"] - 1
+    if "naive" in tps and "none" in tps:
+        # the gain of a verifier that cost nothing at all: no SpareTrain can reach more (the target's ceiling)
+        out["gain_ceiling_free_verifier"] = tps["none"] / tps["naive"] - 1
+    if FLOOR in tps:
+        out["floor_tokens_per_s"] = tps[FLOOR]
+        if "none" in tps:
+            out["floor_overhead_vs_no_dmr"] = tps["none"] / tps[FLOOR] - 1
+        if "naive" in tps:  # the most any engine built on a Python dispatch mode can gain over Naive-Only here
+            out["gain_ceiling_python_mode"] = tps[FLOOR] / tps["naive"] - 1
     out.update(paired_by_round(r0))
     return out
 
 
 def paired_by_round(r0: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The two headline ratios round by round, each from the median steps of one round (the systems of a round ran
-    back to back on the same link, so slow drift of the host cancels in the pair), and the worst round of each:
-    how far one run's figures move, seen within the run."""
+    """The headline ratios (and the floor's, where it ran) round by round, each from the median steps of one round
+    (the systems of a round ran back to back on the same link, so slow drift of the host cancels in the pair), and
+    the worst round of each: how far one run's figures move, seen within the run."""
     rounds = {s: v.get("step_s_by_round") or [] for s, v in r0.items()}
     out: dict[str, Any] = {}
     for key, slow, fast, worst in (("overhead_vs_no_dmr", "sparetrain", "none", max),
-                                   ("gain_vs_naive", "naive", "sparetrain", min)):
+                                   ("gain_vs_naive", "naive", "sparetrain", min),
+                                   ("floor_overhead_vs_no_dmr", FLOOR, "none", max),
+                                   ("gain_ceiling_python_mode", "naive", FLOOR, min)):
         a, b = rounds.get(slow, []), rounds.get(fast, [])
         if a and len(a) == len(b):
             pairs = [x / y - 1 for x, y in zip(a, b)]
