@@ -10,7 +10,8 @@ import torch
 from tests.sdc.dmr.test_engine import SMALL
 from trainguard.cli.main import main
 from trainguard.sdc.dmr import bench
-from trainguard.sdc.dmr.engine import PassThroughMode
+from trainguard.sdc.dmr.config import DMRConfig
+from trainguard.sdc.dmr.engine import PassThroughMode, attach
 from trainguard.train import Trainer, TrainerConfig
 
 
@@ -25,7 +26,7 @@ def test_a_floor_step_goes_through_the_mode_and_trains_bitwise_as_without_it():
     cfg = TrainerConfig.load(None, SMALL + ["--train.activation_checkpoint", "full"])
     ref, t = Trainer(cfg), Trainer(cfg)
     floor = bench._Floor()
-    floor.attach(t)
+    floor.attach(t, attach(t, DMRConfig(enabled=True, system="none")))
     floor.on = True
     for _ in range(2):
         ref.train_step()

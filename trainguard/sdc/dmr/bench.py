@@ -129,8 +129,8 @@ class _Floor:
         self.mode: PassThroughMode | None = None
         self.plain = True  # the model's parameters are plain tensors (views may skip Python modes)
 
-    def attach(self, trainer) -> None:
-        self.plain = not any(dops.dispatches_in_python(p) for p in trainer.model.parameters())
+    def attach(self, trainer, engine) -> None:
+        self.plain = engine._plain_tensors  # (what the engine found of the same model: it sends views past then too)
         trainer.step_contexts.append(self.context)
 
     @contextlib.contextmanager
@@ -214,7 +214,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
                                        profile_steps=spec.get("profile_steps", DMRConfig.profile_steps)).validate())
     systems = spec.get("systems", list(SYSTEMS))
     if FLOOR in systems:
-        _FLOOR.attach(trainer)
+        _FLOOR.attach(trainer, engine)
     # warm-up (and calibration of the emulated link) on No-DMR
     _set_system(engine, trainer, "none")
     sched = getattr(trainer.strategy, "schedule", None)
