@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,19 @@ def _logs(out: Path, r: int) -> list[dict]:
     return [json.loads(line) for line in (out / f"log{r}.jsonl").read_text().splitlines()]
 
 
+def _wait_committed(out: Path, procs: dict[int, subprocess.Popen], replicas: tuple[int, ...], step: int,
+                    timeout: float = 180.0) -> None:
+    """Until each of ``replicas`` has logged its commit of ``step`` (a replica that exits first fails the test)."""
+    t0 = time.monotonic()
+    while not all((out / f"log{r}.jsonl").exists() and any(rec["step"] == step for rec in _logs(out, r))
+                  for r in replicas):
+        for r in replicas:
+            assert procs[r].poll() is None, f"replica {r} exited before committing step {step}: " + \
+                procs[r].stderr.read()[-3000:]
+        assert time.monotonic() - t0 < timeout, f"replicas {replicas} did not commit step {step}"
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_a_replica_sigkilled_mid_step_survivors_finish_the_step_and_the_restarted_replica_heals(tmp_path):
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
@@ -191,6 +205,10 @@ def test_a_replica_sigkilled_mid_step_survivors_finish_the_step_and_the_restarte
         procs[1] = _spawn(base(1) + ["--kill", f"{KILL_AT}:plan", *common], env)
         assert procs[1].wait(timeout=180) == -signal.SIGKILL, procs[1].stderr.read()[-3000:]
         assert (out / "killed1").read_text() == str(KILL_AT)
+        # restarted only once the survivors have finished the step without it: started at once, on a quiet host the
+        # new incarnation joined the step's quorum before the lighthouse had dropped the dead one, and healed into the
+        # step itself (the survivors then saw no failure at all)
+        _wait_committed(out, procs, (0, 2), KILL_AT)
         first_life = procs[1]
         procs[1] = _spawn(base(1) + ["--restarted", *common], env)
         for r, p in procs.items():
