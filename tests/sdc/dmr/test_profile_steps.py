@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-import trainguard.sdc.dmr.engine as engine_mod
+import trainguard.sdc.dmr.engine.core as engine_mod
 from tests.sdc.dmr._windowed import clean_params, equal, params, trainer, windowed
 from trainguard.sdc.dmr.planner import plan_static
 from trainguard.sdc.dmr.profile import OpRecord, Profile, Window, median_profile

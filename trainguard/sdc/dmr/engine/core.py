@@ -1,0 +1,1029 @@
+"""The DMR engine's core (:class:`DMREngine`): wiring into the trainer, where an op is (phase, module, ids), the
+strategy each op gets, its execution (naive, P-DMR, AGC taping), fingerprints taken later, comparisons, profiling
+and the coverage report. The update stage, carried checks, deferred checks and windows are its parts in
+``update.py``, ``carry.py``, ``deferred.py`` and ``windows.py``. Relies on torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import threading
+import time
+import weakref
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from trainguard.errors import SuspectedHardwareFault
+from trainguard.faults.injector import _CHECKER as _INJECTOR_FLAG  # the flag checker_execution() sets
+from trainguard.faults.injector import _INJECTING, patterns_counting_views  # (injecting()'s flag)
+from trainguard.models.moe import in_routed_region
+from trainguard.sdc.dmr import ops as dops
+from trainguard.sdc.dmr.agc import StaleInput, Tape
+from trainguard.sdc.dmr.config import DMRConfig
+from trainguard.sdc.dmr.determinism import load_tolerances
+from trainguard.sdc.dmr.dynamic import DynamicPlanner
+from trainguard.sdc.dmr.engine.carry import CarriedChecks
+from trainguard.sdc.dmr.engine.common import (
+    _ACCUMULATE_SEQ,
+    _CHECKING,
+    _DEFERRED,
+    _RNG,
+    Deferred,
+    Mismatch,
+    _all_tensors,
+    _checking,
+    _free_memory_bytes,
+    _is_list_update,
+    _Later,
+    _primary,
+    _record_on,
+    _routing_copy,
+    _rss_bytes,
+    _Segment,
+    _storage_key,
+    _storage_or_none,
+    _with_routing,
+)
+from trainguard.sdc.dmr.engine.deferred import DeferredChecks
+from trainguard.sdc.dmr.engine.guard import DMRGuard
+from trainguard.sdc.dmr.engine.modes import _DMRMode
+from trainguard.sdc.dmr.engine.update import UpdateStageChecks, _HeldUpdate
+from trainguard.sdc.dmr.engine.windows import WindowChecks
+from trainguard.sdc.dmr.plan import CARRY, Plan
+from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
+from trainguard.sdc.dmr.profile import OpRecord, Profile, Window, median_profile
+from trainguard.train.activation_checkpoint import add_checkpoint_context, set_checkpoint_early_stop
+
+
+class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks):
+    def __init__(self, cfg: DMRConfig | None = None, plan: Plan | None = None):
+        self.cfg = (cfg or DMRConfig(enabled=True)).validate()
+        self._plan = plan
+        self.active = self.cfg.system != "none"
+        self.rtol: dict[str, float] = {}  # tolerance mode: per op name (from a determinism report)
+        self.calibration: dict[str, float] | None = None  # set while recording a determinism report
+        if self.cfg.compare == "tolerance" and self.cfg.determinism_report:
+            self.rtol = load_tolerances(self.cfg.determinism_report, self.cfg.tolerance_safety)
+        self.totals: Counter = Counter()  # over the run
+        self.profile: Profile | None = None  # the last profile recorded
+        self._profiling = False
+        self._profiled: list[Profile] = []  # the attempts profiled so far for the next plan (profile_steps)
+        self._modules: list[str] = []
+        self._blocks: dict[str, str] = {}  # module path -> its block (see _block_of), for every op that owns a node
+        self._optimizer_phase = False
+        self._setup = False  # inside a strategy's one-time set-up (window kind "setup")
+        self._segments: list[tuple[_Segment, str]] = []  # stack of (segment, "forward" | "recompute")
+        self._handles: list[Callable[[], Any]] = []
+        self.queue: list[Deferred] = []
+        self.queued_bytes = 0
+        self.budget_bytes = int(self.cfg.memory_budget_mb * 2**20)
+        self._lock = threading.Lock()
+        self.step = 0
+        self._param_storages: set[int] = set()
+        self._plain_tensors = True  # the model's parameters are plain tensors (see attach)
+        self._param_shapes: set[tuple] = set()
+        self._ws: dict[tuple, torch.Tensor] = {}  # update-stage workspaces, reused every step
+        self.deferrable = False
+        self._model = None
+        self.dynamic = DynamicPlanner(self.budget_bytes or 2**40)
+        # the update-stage check held into the next iteration's windows (see _held_optimizer)
+        self._held: list[_HeldUpdate] = []
+        # per live tensor of the optimizer state (by id, with the tensor itself): the verified value before its
+        # next update, and the buffer its checker runs in
+        self._pre: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._spare: dict[int, torch.Tensor] = {}
+        self._repair: list[tuple[dict, dict]] = []  # (verified result, live state) to write back
+        self._held_fatal: str | None = None
+        # what the last held check took (all of a step's fused calls): the thread executor starts one only in a
+        # window whose profiled end leaves that much room (``_held_fits``); the end of the window now open
+        self._held_s = 0.0
+        self._window_end = float("inf")
+        self._later_room = 0.0  # the most free time a later window of the plan has (see _index_plan)
+        self._pre_start: int | None = None  # the step at whose start the state was what ``_pre`` holds
+        self._spare_step: dict[int, int] = {}  # per tensor: the step whose update's check moved its copy to ``_spare``
+        self._spare_start: int | None = None  # the same for ``_spare``
+        # checks carried into the next iteration (``carry_last``): the iteration that queued them, and whether one
+        # of them failed (the update of that iteration read wrong gradients: both iterations are re-executed)
+        self._carried: list[Deferred] = []
+        # and the fingerprints still to be taken at the end of it, with the P-DMR comparisons waiting for them (the
+        # last micro-batch's outputs): taken in the next iteration's windows too; a comparison that differs rewinds
+        self._carried_fifo: deque[_Later | tuple] = deque()
+        self._pre_by_storage: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._carried_step = -1
+        self._hold_memo: tuple[int, bool] = (-1, False)
+        self.carried_bytes = 0
+        self.carry_ok = False  # set by the trainer, per step: no state read follows this step's update
+        # the step after whose update checks may have been carried on some rank, until every rank has judged them
+        # together (the next step's verdict, or a collective in settle): the same on every rank
+        self._carry_sync_step: int | None = None
+        self._rewind = False
+        self._trainer = None
+        # the stream executor (see window): the device module, its side stream, and the comparisons' device flags
+        # with what to do when read (None: the thread executor, where every comparison is read at once)
+        self._devmod: Any = None
+        self._side: Any = None
+        self._sync: Callable[[], None] | None = None  # a CUDA device: profiled times are the device's, not launches'
+        self._flags: list[tuple[torch.Tensor, Callable[[], None], Callable[[], None] | None]] | None = None
+        self._window_spent = 0.0  # estimated checker time run in the current window (the stream executor's budget)
+        self._on_side: Any = None  # the CUDA side stream while checkers are launched on it
+        self._index_plan()
+        self._reset_attempt()
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        self._plan = plan
+        self._index_plan()
+        self._set_early_stop()
+
+    # ---- wiring ----------------------------------------------------------------------------------
+    def attach(self, trainer) -> DMREngine:
+        model = self._model = trainer.model
+        self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
+        self._param_shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape[::-1]) for p in
+                                                                           model.parameters()}
+        for n, m in model.named_modules():
+            self._handles.append(m.register_forward_pre_hook(lambda mod, inp, n=n: self._enter_module(n)).remove)
+            self._handles.append(m.register_forward_hook(lambda mod, inp, out: self._pop_module()).remove)
+        self._set_early_stop()
+        self._handles.append(add_checkpoint_context(model, self._checkpoint_contexts))
+        opt = trainer.optimizer
+        self._handles.append(opt.register_step_pre_hook(lambda *a: self._set_optimizer(True)).remove)
+        self._handles.append(opt.register_step_post_hook(lambda *a: self._set_optimizer(False)).remove)
+        trainer.step_contexts.append(self.step_context)  # after the injector's (it inserts itself first)
+        self._handles.append(trainer.strategy.add_window_hook(self.window))
+        self.deferrable = trainer.strategy.name in ("pipeline", "expert")  # strategies with idle windows
+        # views past the mode need plain tensors: a tensor subclass's own __torch_dispatch__ (DTensor) must see them
+        self._plain_tensors = not any(dops.dispatches_in_python(p) for p in model.parameters())
+        self._handles.append(trainer.add_guard(DMRGuard(self)))
+        trainer.metric_sources.append(self.metrics)
+        self._handles.append(trainer.add_state_hook(self._state_event))
+        self._world = trainer.world
+        self._trainer = trainer
+        self._use_executor(trainer.device)
+        return self
+
+    def _use_executor(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self._sync = lambda: torch.cuda.synchronize(device)
+        executor = self.cfg.executor
+        if executor == "auto":
+            executor = "stream" if device.type == "cuda" else "thread"
+        if executor == "stream":
+            self._devmod = torch.get_device_module(device.type)  # torch.cpu's streams are no-ops
+            self._side = self._devmod.Stream(device=device) if device.type == "cuda" else self._devmod.Stream()
+            self._flags = []
+
+    def needs_plan(self) -> bool:
+        return self.active and self.cfg.system == "sparetrain" and self.plan is None and self.deferrable
+
+    def set_system(self, system: str) -> None:
+        """Switch between ``none`` (no mode at all: the No-DMR baseline), ``naive`` and ``sparetrain`` between
+        steps (benchmarks alternate systems on one trainer)."""
+        self._state_event("write")  # (other systems update the state without the held path's copies)
+        self.cfg.system = system
+        self.active = system != "none"
+        self._set_early_stop()
+
+    def _set_early_stop(self) -> None:
+        """torch's checkpoint stops recomputing after the last tensor autograd saved, unless P-DMR needs the rest of
+        a segment run once more (a plan whose segments' tails are not checked by other strategies, or no plan).
+        Naive-Only checks every op where it runs: a recompute past the last saved tensor would only cost it time."""
+        if self._model is not None:
+            plan = self._plan
+            stop = not self.active or self._profiling or self.cfg.system == "naive" or (
+                plan is not None and plan.pdmr_early_stop)
+            set_checkpoint_early_stop(self._model, stop)
+
+    def detach(self) -> None:
+        self.settle()
+        for remove in self._handles:
+            remove()
+        self._handles.clear()
+
+    def _enter_module(self, name: str) -> None:
+        if not self._modules and not self._segments_recomputing():
+            self._micro += 1  # the root module's forward: a new micro-batch
+        self._modules.append(name)
+
+    def _pop_module(self) -> None:
+        if self._modules:
+            self._modules.pop()
+
+    def _segments_recomputing(self) -> bool:
+        return bool(self._segments) and self._segments[-1][1] == "recompute"
+
+    def _set_optimizer(self, on: bool) -> None:
+        self._optimizer_phase = on
+
+    def _reset_attempt(self) -> None:
+        if self._flags:  # (a failed attempt's: a held update's check still decides what the state copies hold)
+            self._read_flags()
+        self.update_stage = False  # set once the step's guards passed: mismatches are repaired from here on
+        self.counts: Counter = Counter()
+        self.mismatches: list[Mismatch] = []
+        self.coverage: list[tuple[str, str, str, str, str | None]] = []  # (op id, name, phase, strategy, window)
+        self._ids: Counter = Counter()
+        self._windows: Counter = Counter()
+        self.window_log: list[tuple[str, float, float]] = []  # (window, wait s, overrun s) of this attempt
+        self.drain_s = 0.0  # time the end-of-iteration drain ran checkers on the main thread
+        self._grads: dict[int, weakref.ref] = {}  # id -> a parameter's gradient (see _grad_swap)
+        self._const: dict[int, weakref.ref] = {}  # id -> tensor (plain weak references, as ``_produced``)
+        # storages of this attempt's outputs: address -> plain weak reference to the storage (no callback: a
+        # WeakValueDictionary's cost per entry, paid by every op of the step, was 50 ms a step); an address reused by a
+        # new storage fails the identity test (see _produced_here)
+        self._produced: dict[int, weakref.ref] = {}
+        self._seq_owner: dict[int, tuple[str, str, bool, int]] = {}  # autograd seq -> (op id, block, dynamic, micro)
+        self._last_seq = -1
+        self._micro = -1
+        self._records: list[OpRecord] = []
+        self._tapes: dict[str, Tape] = {}
+        self._window_records: list[Window] = []
+        self._t0 = time.perf_counter()
+        self._curve: list[tuple[float, int]] = []
+        self._last_op = ""
+        if self.queue:
+            self.queue, self.queued_bytes = [], 0
+        # fingerprints taken later (:class:`_Later`) and P-DMR comparisons waiting for them, in order
+        self._later_fifo: deque[_Later | tuple] = deque()
+        self._later_by_storage: dict[int, list[_Later]] = {}
+        self.later_bytes = 0
+        for lz in getattr(self, "_carried_fifo", ()):  # (those carried from the previous iteration stay registered)
+            if isinstance(lz, _Later) and lz.value is not None:
+                self.later_bytes += lz.nbytes
+                for t in dops.tensors(lz.value):
+                    self._later_by_storage.setdefault(_storage_key(t), []).append(lz)
+        # inputs queued checks keep by reference, by storage: copied before a collective is handed them (those of
+        # checks carried from the previous iteration stay registered: the next transfer may reuse their buffer)
+        carried = {id(d.held) for d in getattr(self, "_carried", ()) if d.held is not None}
+        kept = {k: [e for e in v if id(e[0]) in carried] for k, v in getattr(self, "_kept_by_storage", {}).items()}
+        self._kept_by_storage: dict[int, list[tuple]] = {k: v for k, v in kept.items() if v}
+        if self.dynamic.queue:
+            self.dynamic.queue.clear()
+        self.dynamic.reset()
+
+    @contextlib.contextmanager
+    def step_context(self, step: int) -> Iterator[None]:
+        self.step = step
+        self._profiling = self.needs_plan()
+        self._set_early_stop()
+        self._reset_attempt()
+        if not self.active:
+            yield
+            return
+        # views skip the mode (see ops.views_past_python) where the engine would return them unchanged: not while it
+        # profiles (a view's backward node names the op it views) or keeps a coverage report (which lists them), and
+        # not the views a fault injector's op sites count
+        past = self.cfg.views_past_python and self._plain_tensors and not self._profiling and not self.cfg.coverage
+        views = dops.views_past_python(patterns_counting_views()) if past else contextlib.nullcontext()
+        with _DMRMode(self), views:
+            yield
+        self.drain()
+
+    # ---- where an op is ----------------------------------------------------------------------------
+    def phase(self) -> str:
+        if self._setup:
+            return "setup"
+        if self._optimizer_phase or self.update_stage:  # clipping, optimizer and schedule: the update stage
+            return "optimizer"
+        if self._segments_recomputing():
+            return "recompute"
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "forward"
+
+    def module(self) -> str:
+        return self._modules[-1] if self._modules else ""
+
+    def _block(self, path: str) -> str:
+        """:meth:`_block_of`, once per module path (every op that takes an autograd node asks)."""
+        block = self._blocks.get(path)
+        if block is None:
+            block = self._blocks[path] = self._block_of(path)
+        return block
+
+    @staticmethod
+    def _block_of(path: str) -> str:
+        parts = path.split(".")
+        return ".".join(parts[:2]) if len(parts) >= 2 and parts[0] == "layers" else ""
+
+    def _next_id(self, phase: str, dynamic: bool) -> str:
+        return self._numbered(f"{phase}:dyn" if dynamic else phase)
+
+    def _numbered(self, key: str) -> str:
+        n = self._ids[key]
+        self._ids[key] = n + 1
+        return f"{key}:{n}"
+
+    def _unowned_backward_id(self, node: Any, name: str, dynamic: bool) -> str:
+        """The id of a backward op no forward op's node runs. One that autograd's gradient accumulation runs
+        (``AccumulateGrad``: the ``add_`` of a later micro-batch's gradient, or the copy of a first one it may not
+        take over) is numbered per parameter and op, apart from the others: whether a first gradient is copied
+        depends on who else holds it (the engine's deferred checks do, a profiled step's ops do not), and counted
+        with the others, that one copy shifted the id of every later backward op of the step against the plan.
+        ``node``: the autograd node running (None outside one)."""
+        if node is not None and node._sequence_nr() == _ACCUMULATE_SEQ:
+            return self._numbered(f"backward:acc:{self._param_names.get(id(node.variable), '?')}:{name}")
+        return self._next_id("backward", dynamic)
+
+    # ---- activation-checkpoint segments (P-DMR) ---------------------------------------------------
+    def _checkpoint_contexts(self):
+        if not self.active:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        seg = _Segment(self.module(), call=self._ids["ac-call"])
+        self._ids["ac-call"] += 1
+        return self._segment_context(seg, "forward"), self._segment_context(seg, "recompute")
+
+    @contextlib.contextmanager
+    def _segment_context(self, seg: _Segment, mode: str) -> Iterator[None]:
+        if mode == "recompute":
+            seg.cursor = 0
+        self._segments.append((seg, mode))
+        try:
+            yield
+        finally:
+            self._segments.pop()
+            if mode == "forward" and self._profiling and seg.records:
+                last = seg.records[-1][0]
+                for r in reversed(self._records):
+                    if r.id == last:
+                        r.seg_last = True
+                        break
+            # every forward op P-DMR checks must have been replayed (the recompute may stop early, after the last
+            # tensor autograd saved: the ops it leaves out are checked by other strategies); none may be added
+            pdmr = any(r[2] is not None for r in seg.records)
+            if mode == "recompute" and pdmr and not self._profiling and (
+                    seg.cursor > len(seg.records) or any(r[2] is not None for r in seg.records[seg.cursor:])):
+                self._mismatch(seg.records[min(seg.cursor, len(seg.records) - 1)][0], "segment", "recompute", "p-dmr",
+                               f"{seg.path}: forward ran {len(seg.records)} ops, recompute {seg.cursor}")
+
+    # ---- strategy choice -------------------------------------------------------------------------
+    def strategy_for(self, op_id: str, phase: str, name: str, dynamic: bool, in_segment: bool) -> tuple[str, str | None]:
+        if _is_list_update(name):
+            # in-place ops over lists of tensors (the update; gradient scaling and clipping, in any phase): in
+            # cache-sized pieces, at once
+            return "optimizer", None
+        if phase == "optimizer":
+            return "naive", None
+        if self.cfg.system == "naive":
+            return "naive", None
+        if dynamic and self.deferrable:
+            return "dynamic", None
+        if self.plan is not None:
+            a = self.plan.assignment(op_id)
+            if a is not None:
+                if a.strategy in _DEFERRED:  # (an AGC segment's ops are checked by its replay in its window)
+                    return a.strategy, a.window
+                if a.strategy == "p-dmr" and in_segment:
+                    return "p-dmr", None
+                if a.strategy == "dynamic":
+                    return "dynamic", None
+                if phase == "backward" and self.plan.may_carry(a) and self._carrying():
+                    # no window of this iteration has room for it: the next iteration's, in the time their own checks
+                    # leave (the rest in its drain)
+                    return "d-inter", CARRY
+                return "naive", None
+        if phase == "forward" and in_segment:
+            return "p-dmr", None
+        if self.deferrable and phase in ("forward", "backward"):
+            return "d-inter", None  # no plan: the dynamic queue, checked in whatever window comes next
+        return "naive", None
+
+    # ---- execution -------------------------------------------------------------------------------
+    def dispatch(self, func, args: tuple, kwargs: dict) -> Any:
+        if _CHECKING.active or _INJECTING.active:  # (injecting(), read directly: every dispatched op asks)
+            # a checker execution (drain runs inside the mode), or a fault injector writing its fault from a
+            # hook (its reads and writes are the fault, not ops of the step): run as is
+            return func(*args, **kwargs)
+        inf = dops.info(func)
+        if inf.plain_view and not self._profiling and not self.cfg.coverage:
+            # the hot path (most dispatched ops are views): nothing to check, record or settle. A view's output
+            # shares its input's storage, so it needs no entry in ``_produced`` either (see _produced_here)
+            self.counts["view"] += 1
+            return inf.call(*args, **kwargs)
+        # everything the engine does around an op (copies, fingerprints, second executions) is invisible to
+        # the fault injector; only the primary execution (:func:`_primary`) is an op of the step
+        swap = self._grad_swap(func, args, kwargs) if inf.written and self.deferrable and self.cfg.swap_gradients \
+            and not self._profiling else None
+        before = _INJECTOR_FLAG.active
+        _INJECTOR_FLAG.active = True  # (checker_execution(), without a context manager per op)
+        try:
+            if self._later_by_storage or self._kept_by_storage:
+                # fingerprints and copies the engine takes before the op writes (the engine's work, so inside the
+                # flag: a copy made for a transfer is no op of the step, and whether one is made depends on timing).
+                # An op on a gradient that will be swapped writes nothing: settled only if it is not, in _dispatch
+                if (inf.written and swap is None) or inf.kind == "comm":
+                    self._settle_written(func, args, kwargs, every=inf.kind == "comm")
+            out = self._dispatch(func, args, kwargs, swap, inf)
+        finally:
+            _INJECTOR_FLAG.active = before
+        if self.deferrable:
+            self._mark_produced(out)
+        return out
+
+    def _mark_produced(self, out: Any) -> None:
+        """Record the storages of ``out``'s tensors as written in this attempt (see :meth:`_produced_here`)."""
+        for t in ((out,) if type(out) is torch.Tensor else dops.tensors(out)):  # (the common case, without the walk)
+            st = _storage_or_none(t)
+            if st is not None:  # (a tensor without storage: nothing to keep by reference)
+                self._produced[st.data_ptr()] = weakref.ref(st)
+
+    def _dispatch(self, func, args: tuple, kwargs: dict, swap, inf: dops.OpInfo) -> Any:
+        if inf.kind != "compute":
+            if self._profiling and inf.kind == "comm" and not self._setup:
+                return self._record(func, args, kwargs, "C", self.phase(), None, False)
+            if self.cfg.coverage:
+                self.coverage.append(("-", inf.name, self.phase(), inf.kind, None))
+            self.counts[inf.kind] += 1
+            out = _primary(func, args, kwargs, inf)
+            if inf.kind == "view" and self._profiling:  # a view's backward node differentiates the op it views
+                phase = self.phase()
+                self._own(phase, self._last_op, False)
+            return out
+        phase = self.phase()
+        name = inf.name
+        if phase == "setup":
+            op_id = self._next_id(phase, False)
+            if self.cfg.coverage:
+                self.coverage.append((op_id, name, phase, "naive", None))
+            self.counts["naive"] += 1
+            return self._naive(op_id, phase, func, args, kwargs)
+        seg = self._segments[-1][0] if self._segments else None
+        node = torch._C._current_autograd_node() if phase == "backward" else None
+        owner = self._seq_owner.get(node._sequence_nr()) if node is not None else None
+        # data-dependent ops (MoE: the experts, and the loop over the experts that got tokens) are numbered apart,
+        # so that the routing does not shift the static ops' ids; their gradient ops follow them
+        dynamic = (".experts." in self.module() or in_routed_region()) if phase in ("forward", "recompute") \
+            else bool(owner and owner[2])
+        ins = dops.call_tensors(args, kwargs)
+        const = self._is_const(inf, ins)
+        twin = rec = None
+        if phase == "recompute" and seg is not None and not const:
+            twin = seg.records[seg.cursor] if seg.cursor < len(seg.records) else None
+            op_id = f"recompute:{twin[0]}" if twin else self._next_id("recompute", dynamic)
+            seg.cursor += 1
+            if self._profiling:
+                return self._record(func, args, kwargs, "F", phase, op_id, dynamic, recompute_of=twin[0] if twin else None)
+            if twin is not None and twin[2] is not None:  # the forward op's P-DMR checker execution
+                out = self._pdmr_check(twin, func, args, kwargs, inf)
+                if self._agc_of:
+                    self._tape_alias(op_id, twin[0], out)
+                return out
+        else:
+            op_id = self._unowned_backward_id(node, name, dynamic) if phase == "backward" and owner is None else \
+                self._next_id(phase, dynamic)
+        if self._profiling:
+            if phase == "forward" and seg is not None and not const:
+                seg.records.append((op_id, name, None))
+            return self._record(func, args, kwargs, None, phase, op_id, dynamic)
+        in_segment = phase == "forward" and seg is not None and not const
+        strategy, window = self.strategy_for(op_id, phase, name, dynamic, in_segment)
+        if const and strategy == "p-dmr":
+            # computed from constants only (a mask a kernel builds once and caches): the recompute may not run
+            # it again, so it is checked at once and kept out of the segment's op sequence
+            strategy = "naive"
+        if strategy == "optimizer" and swap is not None and \
+                self._fits(dops.bytes_of(dops.tensors(args))):
+            # a list op over every gradient (the pipeline's averaging, clipping): no window follows it before the
+            # update, so it runs out of place and its check is carried into the next iteration (see _grad_swap)
+            strategy, window = "d-inter", CARRY
+        if self.cfg.coverage:
+            self.coverage.append((op_id, name, phase, strategy, window))
+        self.counts[strategy] += 1
+        taped = strategy
+        if strategy == "agc" and (dops.written_args(func, args, kwargs) or dops.random_call(inf, args, kwargs)):
+            # an in-place or random op cannot be replayed from a tape (the segment reads it as a boundary input):
+            # a gradient accumulated in place is swapped and checked in the segment's window, the rest at once
+            strategy = taped = "naive"
+            if swap is not None:
+                strategy = "d-inter"
+        if swap is not None and strategy not in ("d-inter", "d-intra"):
+            self._settle_written(func, args, kwargs)  # (not swapped after all: it writes in place)
+            swap = None
+        if strategy == "p-dmr":
+            out = _primary(func, args, kwargs, inf)
+            # (a float tensor holds no routing decision: most outputs, known without the call)
+            routing = None if type(out) is torch.Tensor and out.is_floating_point() else _routing_copy(out)
+            seg.records.append((op_id, name, self._fp(out) if routing is not None else self._fp_later(out), routing))
+        else:
+            if in_segment:
+                rec = [op_id, name, None, None]  # (checked otherwise; keeps the recompute aligned)
+                seg.records.append(rec)
+            if strategy == "optimizer":
+                return self._verified_optimizer(op_id, phase, func, args, kwargs)
+            if strategy == "agc":
+                out = _primary(func, args, kwargs, inf)  # checked by its segment's replay
+            elif strategy in ("d-inter", "d-intra", "dynamic"):
+                out = self._defer(op_id, phase, strategy, window, func, args, kwargs, ins, swap, inf)
+            else:
+                out = self._naive(op_id, phase, func, args, kwargs, repair=phase == "optimizer")
+        if rec is not None:
+            rec[3] = _routing_copy(out)
+        if twin is not None and len(twin) > 3 and twin[3] is not None and twin[2] is None:
+            # checked by another strategy, but its routing must still match the forward's (see _pdmr_check)
+            if not dops.bitwise_equal(_with_routing(out, twin[3]), out):
+                self._mismatch(twin[0], name, "forward", "p-dmr", "forward and recompute route differently")
+                out = _with_routing(out, twin[3])
+        if const:
+            for t in dops.tensors(out):
+                self._const[id(t)] = weakref.ref(t)
+        if self._agc_of:  # (both return at once for an op no AGC segment tapes)
+            if phase == "recompute" and op_id.startswith("recompute:"):
+                self._tape_alias(op_id, op_id[len("recompute:"):], out)
+            else:
+                self._tape_record(op_id, func, args, kwargs, out, taped)
+        if phase == "forward":  # (the only phase _own maps)
+            self._own(phase, op_id, dynamic)
+        return out
+
+    # ---- AGC segments (replayed from their boundary tensors, agc.py) ------------------------------
+    def _index_plan(self) -> None:
+        """Which ops each AGC segment of the plan tapes (its forward and gradient ops), and the free time later
+        windows have (``_room_after``)."""
+        self._agc_of: dict[str, Any] = {}
+        for a in (self.plan.agc_segments if self.plan is not None else []):
+            for op in (*a.forward_ops, *a.bw_ops):
+                self._agc_of[op] = a
+        # per window: the most time a later window of the step has beyond its planned checks (for _held_fits)
+        self._room_after: dict[str, float] = {}
+        room = 0.0
+        for w in sorted(self.plan.windows if self.plan is not None else [], key=lambda w: -w.start_s):
+            self._room_after[w.id] = room
+            if not w.dynamic:
+                room = max(room, w.duration_s - w.used_s)
+
+    def _tape(self, a) -> Tape:
+        tape = self._tapes.get(a.id)
+        if tape is None:
+            tape = self._tapes[a.id] = Tape(a.id, a.window, len(a.forward_ops) + len(a.bw_ops))
+        return tape
+
+    def _tape_record(self, op_id: str, func, args, kwargs, out, strategy: str) -> None:
+        a = self._agc_of.get(op_id)
+        if a is None:
+            return
+        if strategy == "naive" and op_id in a.ops:  # could not be taped (in place or random): others read it as boundary
+            self._tape(a).seen.add(op_id)
+            return
+        # (the primary's fingerprints taken later, off the main thread, like the deferred checks' ones)
+        self._tape(a).record(op_id, func, args, kwargs, out, self._fp_later, self._is_param, self._produced_here)
+
+    def _tape_alias(self, op_id: str, twin: str, out) -> None:
+        a = self._agc_of.get(twin)
+        if a is None:
+            return
+        tape = self._tape(a)
+        e = tape.entry_of(twin)
+        if e is not None:
+            tape.alias(op_id, e.out_slots, out, self._fp_later)
+
+    def _replay(self, tape: Tape, where: str) -> None:
+        found: list[str] = []
+
+        def differs() -> None:
+            if not found:  # (one detection per segment, as when the replay stops at its first difference)
+                found.append(tape.seg_id)
+                self._mismatch(tape.seg_id, "agc-segment", "backward", "agc", f"AGC segment {tape.seg_id} replay differs")
+
+        # where flags are read at the verdict the replay runs to its end and each comparison leaves a flag
+        agree = self._agree if self._flags is None else (
+            lambda name, e, g: self._compare(name, e, g, differs) or True)
+        try:
+            bad = tape.replay(self._fp, agree)
+        except StaleInput:
+            self.counts["stale"] += 1
+            self.totals["stale"] += 1
+            return
+        except Exception as err:  # a replay that cannot run is a detection, not a crash of the step
+            bad = f"{tape.seg_id} (replay failed: {type(err).__name__})"
+        self.counts[f"agc-replayed-in-{where.split(':')[0]}"] += 1
+        if bad is not None:
+            self._mismatch(bad, "agc-segment", "backward", "agc", f"AGC segment {tape.seg_id} replay differs")
+
+    def _owner(self, phase: str) -> tuple[str, str, bool, int] | None:
+        """For backward ops: the forward (or recompute) op whose autograd node is running."""
+        if phase != "backward":
+            return None
+        node = torch._C._current_autograd_node()
+        return self._seq_owner.get(node._sequence_nr()) if node is not None else None
+
+    def _own(self, phase: str, op_id: str, dynamic: bool) -> None:
+        """Map the autograd sequence number the op just took (if it took one) to the op. Forward ops only: under
+        non-reentrant checkpointing (the only kind trainguard runs) autograd never runs a node the recompute
+        creates (the recompute only supplies the saved tensors of the forward's nodes, detached), so no backward
+        op would ever look a recompute's number up. ``test_op_ids`` checks that no backward op runs under one."""
+        if phase != "forward":
+            return
+        seq = torch._C._autograd._get_sequence_nr() - 1
+        if seq != self._last_seq:
+            self._last_seq = seq
+            self._seq_owner[seq] = (op_id, self._block(self.module()), dynamic, self._micro)
+
+    def _is_const(self, inf: dops.OpInfo, ins: list[torch.Tensor]) -> bool:
+        """An op whose tensor inputs ``ins`` are all constants of this attempt (or that has none: a factory)."""
+        if inf.random:  # (by its tag: a fused attention without dropout is conservatively never a constant)
+            return False
+        const = self._const
+        for t in ins:
+            ref = const.get(id(t))
+            if ref is None or ref() is not t:
+                return False
+        return True
+
+    def _pdmr_check(self, twin, func, args, kwargs, inf: dops.OpInfo) -> Any:
+        out = _primary(func, args, kwargs, inf)  # the recompute: the checker execution of its forward twin
+        self.counts["p-dmr-checked"] += 1
+        op_id, name, expect = twin[:3]
+        if name != inf.name:
+            self._mismatch(op_id, name, "forward", "p-dmr", f"recompute ran {func} where the forward ran {name}")
+        elif (kept := twin[3] if len(twin) > 3 else None) is None and self._lazy_ok():
+            # compared later, off the main thread (a window's worker or the drain), like the deferred checks
+            self._later_fifo.append((op_id, name, expect, self._fp_later(out)))
+        elif not self._agree(name, expect, self._fp(out)):
+            self._mismatch(op_id, name, "forward", "p-dmr", "forward and recompute differ")
+            if kept is not None:
+                out = _with_routing(out, kept)
+                # An integer output (MoE routing: top-k indices, counts) decides the shapes of what follows. The
+                # step is retried anyway; continuing with the forward's routing keeps the recompute's shapes
+                # what autograd saved, instead of torch.utils.checkpoint failing the step on one pipeline
+                # stage while the other waits for it.
+        return out
+
+    def _copy(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` in a buffer kept across pieces and steps (no allocation per piece; the same few
+        cache-sized buffers serve every piece of the update stage)."""
+        buf = self._ws.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device or \
+                buf.stride() != t.stride():
+            buf = self._ws[key] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return buf.copy_(t)
+
+    def _naive(self, op_id: str, phase: str, func, args, kwargs, repair: bool = False, read_only: tuple = ()) -> Any:
+        written = dops.written_args(func, args, kwargs, skip=read_only)
+        checker_args = checker_kwargs = pre = None
+        third_args, third_kwargs = args, kwargs
+        if written:
+            if repair:  # update-stage ops: persistent workspaces
+                # keyed by position and shape, not by op: consecutive pieces reuse the same (cache-resident) buffers
+                copies = {id(t): self._copy((i, "checker", t.shape, t.dtype), t) for i, t in enumerate(written)}
+                pre = [self._copy((i, "pre", t.shape, t.dtype), t) for i, t in enumerate(written)]
+                # the inputs too: the checker and a tie-breaker must see what the primary saw, whatever happens
+                # to the live tensors after it (a corrupted input would otherwise win the vote)
+                read = [t for t in dops.call_tensors(args, kwargs) if id(t) not in copies and t.dim() > 0]
+                ins = {id(t): self._copy((i, "input", t.shape, t.dtype), t) for i, t in enumerate(read)}
+                keep_in = lambda v: ins.get(id(v), v)
+                third_args, third_kwargs = dops.map_tensors(keep_in, args), dops.map_tensors(keep_in, kwargs)
+                copies.update(ins)
+            else:  # (persistent workspaces too: no allocation per op; nothing keeps the copy past this call)
+                copies = {id(t): self._copy((i, "naive", t.shape, t.dtype), t) for i, t in enumerate(written)}
+            remap = lambda v: copies.get(id(v), v)
+            checker_args, checker_kwargs = dops.map_tensors(remap, args), dops.map_tensors(remap, kwargs)
+        rng = _RNG(func, args, kwargs)
+        out = _primary(func, args, kwargs)
+        rng.rewind()  # the checker draws the same random numbers
+        if written:
+            out2 = func(*checker_args, **checker_kwargs)
+            checked = [copies[id(t)] for t in written]
+        else:
+            out2 = dops.clear_unset(func, args, kwargs, func(*args, **kwargs))
+        rng.forward()  # and the run continues from the state after the primary
+        if not repair and self._flags is not None and self.cfg.fingerprints and _all_tensors(out):
+            # (the stream executor: no host synchronisation per op; decided at the verdict, like the deferred checks)
+            one = written and out is written[0] and len(written) == 1
+            a, b = (written, checked) if one else ((out, written), (out2, checked)) if written else (out, out2)
+            name = dops.info(func).name
+            self._compare(name, self._fp(a), self._fp(b), lambda: self._mismatch(
+                op_id, name, phase, "naive", "primary and checker differ"))
+            return out
+        if written and out is written[0] and len(written) == 1:  # in place, returning what it wrote: one comparison
+            same = self._same(func, written, checked)
+        else:
+            same = self._same(func, out, out2) and (not written or self._same(func, written, checked))
+        if same:
+            return out
+        if repair and written:  # update stage: restore this op's writes and run it once more (the tie-breaker)
+            primary, first = [t.clone() for t in written], out
+            for t, p in zip(written, pre):
+                t.copy_(p)
+            rng.rewind()
+            out = func(*third_args, **third_kwargs)
+            rng.forward()
+            if self._same(func, written, primary):  # a checker fault: the primary's state, executed again
+                return self._repaired(out)
+            if self._same(func, written, checked):
+                # The tie-breaker sides with the checker, but both read the copies of the inputs: a fault in one of
+                # those copies would make them agree on a wrong result. Where a copy differs from the input (the
+                # primary read the input, and nothing between changes it), the primary stands
+                if all(dops.bitwise_equal(ins[id(t)], t) for t in read):
+                    return self._repaired(out)  # the primary was wrong: the written state is the other two's
+                self._copy_verified(written, primary)
+                self.counts["checker-fault"] += 1
+                self.totals["copy_faults"] += 1
+                return first
+        elif repair:  # update stage, out-of-place op: a third execution decides, the result goes into ``out``
+            rng.rewind()
+            out3 = func(*args, **kwargs)
+            rng.forward()
+            if self._same(func, out3, out2):
+                for dst, src in zip(dops.tensors(out), dops.tensors(out3)):
+                    dst.copy_(src)
+                return self._repaired(out)
+            if self._same(func, out3, out):
+                return self._repaired(out)
+        if repair:  # the update is under way: it cannot be rolled back, and three executions gave three results
+            raise SuspectedHardwareFault(f"three executions of {func} in the update stage of step {self.step} all "
+                                         f"differ ({op_id}): this device does not compute reliably")
+        self._mismatch(op_id, dops.info(func).name, phase, "naive", "primary and checker differ" if not written else
+                       "primary and checker writes differ")
+        return out
+
+    def _repaired(self, out):
+        self.counts["reexecuted"] += 1
+        self.totals["detected"] += 1
+        self.totals["repaired_optimizer"] += 1
+        return out
+
+    def _fp(self, value) -> dops.Fingerprint:
+        return dops.Fingerprint.of(value, floats=self.cfg.compare == "tolerance")
+
+    # ---- fingerprints taken later, in the windows -------------------------------------------------------
+    def _lazy_ok(self) -> bool:
+        """Fingerprints go to the windows' worker only where windows exist and the plan is being followed."""
+        return self.deferrable and not self._profiling and self.calibration is None
+
+    def _fp_later(self, value) -> dops.Fingerprint | _Later:
+        """``value``'s fingerprint, or a :class:`_Later` one while the outputs it holds fit half the budget (the
+        other half is the deferred checks'): the checksums then run on the worker thread in the next window."""
+        if not self._lazy_ok():
+            return self._fp(value)
+        ts = [value] if type(value) is torch.Tensor else dops.tensors(value)
+        lz = _Later(value, ts)
+        if self.budget_bytes and self.later_bytes + lz.nbytes > self.budget_bytes // 2:
+            return self._fp(value)
+        with self._lock:
+            self.counts["fingerprints-later"] += 1
+            self.later_bytes += lz.nbytes
+            self._later_fifo.append(lz)
+            for t in ts:
+                self._later_by_storage.setdefault(_storage_key(t), []).append(lz)
+        return lz
+
+    def _resolve(self, x: dops.Fingerprint | _Later) -> dops.Fingerprint | None:
+        """The fingerprint (None: a tensor changed in place without passing the engine, so not checkable)."""
+        if not isinstance(x, _Later):
+            return x
+        if x.fp is None and x.value is not None:
+            ts = dops.tensors(x.value)
+            if self._on_side is not None:
+                _record_on(self._on_side, ts)
+            if any(t._version != v for t, v in zip(ts, x.versions)):
+                self.counts["stale"] += 1
+                self.totals["stale"] += 1
+            else:
+                x.fp = self._fp(x.value)
+            x.value = None  # the outputs are released
+            with self._lock:
+                self.later_bytes -= x.nbytes
+        return x.fp
+
+    def _settle_written(self, func, args, kwargs, every: bool = False) -> None:
+        """Before an op writes into tensors whose fingerprints are still to be taken: take them now; and queued
+        checks that keep one of those tensors as an input get a copy of it. ``every``: all its tensor arguments
+        (communication: a receive writes its buffer when the transfer completes, outside the dispatcher and without
+        a version bump). An in-place op bumps the version, which would leave such a check stale (not checkable);
+        it is copied instead: a check left to a later window or the drain, after an op that writes its input (the
+        gradient copied back from the replicas' all-reduce into the gradients it concatenated), still runs."""
+        for t in (dops.call_tensors(args, kwargs) if every else dops.written_args(func, args, kwargs)):
+            key = _storage_key(t)
+            waiting = self._later_by_storage.pop(key, None)
+            for lz in waiting or ():
+                self._resolve(lz)
+            self._copy_kept(key)
+
+    def _copy_kept(self, key: int) -> None:
+        """Queued checks that keep the storage ``key`` by reference get their own copy of what they keep of it."""
+        for held, ref in self._kept_by_storage.pop(key, ()):
+            kept = ref()
+            if kept is None or held["args"] is None:  # (already checked)
+                continue
+            copy = kept.clone()
+            held["args"] = tree_map(lambda v, kept=kept, copy=copy: copy if v is kept else v, held["args"])
+            for i, v in enumerate(held["ins"]):
+                if v is kept:
+                    held["ins"][i], held["versions"][i] = copy, copy._version
+            self.counts["kept-input-copied"] += 1
+
+    def _settle(self, more: Callable[[], bool] = lambda: True) -> None:
+        """Take the fingerprints still to be taken and run the P-DMR comparisons waiting for them, in order,
+        while ``more()`` (a window still open) says so."""
+        while self._later_fifo and more():
+            self._settle_one(self._later_fifo.popleft(), self._pdmr_differs)
+        if not self._later_fifo and not self._carried_fifo:
+            self._later_by_storage.clear()
+
+    def _pdmr_differs(self, op_id: str, name: str) -> None:
+        self._mismatch(op_id, name, "forward", "p-dmr", "forward and recompute differ")
+
+    def _settle_one(self, item: _Later | tuple, differs: Callable[[str, str], None]) -> None:
+        """Take one queued fingerprint, or run one P-DMR comparison: ``differs(op id, name)`` when the two differ."""
+        if isinstance(item, _Later):
+            self._resolve(item)
+            return
+        op_id, name, expect, got = item
+        e, g = self._resolve(expect), self._resolve(got)
+        if e is not None and g is not None:
+            self._compare(name, e, g, lambda: differs(op_id, name))
+
+    # ---- comparisons read at the verdict (the stream executor) -----------------------------------------
+    # On a device, reading a comparison's result is a host synchronisation: the host would wait for each checker
+    # instead of running ahead. With the stream executor, a comparison whose outcome only decides the verdict
+    # leaves a flag on the device instead; the verdict reads them all in one transfer and acts on them in order.
+    def _compare(self, name: str, expect: Any, got: Any, differs: Callable[[], None]) -> None:
+        """``differs()`` when two fingerprints differ: at once, or when the verdict reads the flags."""
+        if self._flags is None or self.calibration is not None:
+            if not self._agree(name, expect, got):
+                differs()
+            return
+        if isinstance(expect, _Later) or isinstance(got, _Later):
+            expect, got = self._resolve(expect), self._resolve(got)
+            if expect is None or got is None:
+                return  # counted as stale (not checkable), never as a detection
+        differ = expect.differs(got, self.rtol.get(name, 0.0))
+        if isinstance(differ, torch.Tensor):
+            self._flag(differ, differs)
+        elif differ:
+            differs()
+
+    def _flag(self, differ: torch.Tensor, differs: Callable[[], None], agrees: Callable[[], None] | None = None) -> None:
+        with self._lock:
+            self._flags.append((differ, differs, agrees))
+
+    def _read_flags(self) -> None:
+        """Read the pending comparisons' flags (one device-to-host transfer) and act on each, in order."""
+        if not self._flags:
+            return
+        flags, self._flags = self._flags, []
+        values = dops.stack([f for f, _, _ in flags]).tolist()
+        self.counts["flags-read"] += len(flags)
+        failed: BaseException | None = None
+        with _checking():  # (a held update's tie-breaker runs here: an engine execution, not an op of the step)
+            for differ, (_, differs, agrees) in zip(values, flags):
+                try:  # every flag is acted on (a held update's copies must follow its verdict) before one raises
+                    if differ:
+                        differs()
+                    elif agrees is not None:
+                        agrees()
+                except Exception as err:
+                    failed = failed or err
+        if failed is not None:
+            raise failed
+
+    def _agree(self, name: str, expect: dops.Fingerprint, got: dops.Fingerprint) -> bool:
+        if isinstance(expect, _Later) or isinstance(got, _Later):
+            expect, got = self._resolve(expect), self._resolve(got)
+            if expect is None or got is None:
+                return True  # counted as stale (not checkable), never as a detection
+        if self.calibration is not None:  # recording a determinism report: measure, never flag
+            self.calibration[name] = max(self.calibration.get(name, 0.0), expect.gap(got))
+            return True
+        return expect.matches(got, self.rtol.get(name, 0.0))
+
+    def _same(self, func, a, b) -> bool:
+        if self.calibration is not None:
+            name = dops.info(func).name
+            self.calibration[name] = max(self.calibration.get(name, 0.0), dops.relative_gap(a, b))
+            return True
+        rtol = self.rtol.get(dops.info(func).name, 0.0)
+        if rtol <= 0:
+            return dops.checksums_equal(a, b) if self.cfg.fingerprints else dops.bitwise_equal(a, b)
+        return dops.Fingerprint.of(a, floats=True).matches(dops.Fingerprint.of(b, floats=True), rtol)
+
+
+    def _mismatch(self, op_id: str, name: str, phase: str, strategy: str, detail: str) -> None:
+        with self._lock:
+            self.mismatches.append(Mismatch(op_id, name, phase, strategy, detail))
+            self.totals["detected"] += 1
+
+
+    # ---- profiling -------------------------------------------------------------------------------
+    def _record(self, func, args, kwargs, kind: str | None, phase: str, op_id: str | None, dynamic: bool,
+                recompute_of: str | None = None) -> Any:
+        if self._sync is not None:  # (a profiled attempt: the op's own time on the device, not its launch's)
+            self._sync()
+        t0 = time.perf_counter()
+        out = _primary(func, args, kwargs)
+        if self._sync is not None:
+            self._sync()
+        dt = time.perf_counter() - t0
+        if op_id is None:  # a collective
+            op_id = self._next_id("comm", False)
+        ins = dops.call_tensors(args, kwargs)
+        outs = dops.tensors(out)
+        owner = self._owner(phase)
+        if kind is None:
+            kind = {"forward": "F", "recompute": "F", "optimizer": "O"}.get(phase, "B")
+            if kind == "B" and any(tuple(t.shape) in self._param_shapes for t in outs) and dops.info(func).name.startswith(
+                    ("aten.mm", "aten.sum", "aten.bmm", "aten.embedding_dense_backward")):
+                kind = "W"
+        module = self.module() if phase in ("forward", "recompute") else ""
+        block = self._block(module) if module else (owner[1] if owner else "")
+        seg = self._segments[-1][0] if self._segments and phase in ("forward", "recompute") else None
+        rec = OpRecord(
+            id=op_id, name=dops.info(func).name, phase=phase if phase != "optimizer" or self._optimizer_phase else "optimizer",
+            kind=kind, module=module, block=block, ac_segment=f"{seg.path}" if seg is not None else None,
+            seg_index=(len(seg.records) - 1 if phase == "forward" else seg.cursor - 1) if seg is not None else -1,
+            start_s=t0 - self._t0, time_s=dt,
+            in_bytes=dops.bytes_of(ins),
+            out_bytes=dops.bytes_of(outs),
+            param_bytes=dops.bytes_of(t for t in ins if self._is_param(t)),
+            dynamic=dynamic, microbatch=max(self._micro, 0) if phase in ("forward", "recompute") else
+            (owner[3] if owner else 0), grad_of=owner[0] if owner else None, recompute_of=recompute_of,
+            ac_call=seg.call if seg is not None else -1)
+        self._records.append(rec)
+        self._last_op = op_id
+        if len(self._records) % 16 == 0:
+            self._curve.append((t0 - self._t0, _rss_bytes()))
+        self._own(phase, op_id, dynamic)
+        return out
+
+    def finish_profile(self, trainer) -> Profile | None:
+        """Record the attempt just profiled. After ``profile_steps`` of them (the first step, re-executed each time):
+        the profile (:func:`median_profile` of them) and the plan made from it (kept as ``self.profile`` and
+        ``self.plan``); None while more are to come."""
+        curve = self._curve
+        peak = max((b for _, b in curve), default=_rss_bytes())
+        # The paper's budget is the device's memory: by default the checks may hold half of what is free now
+        # (the rest stays for the run's own growth); the planner's count of retained inputs is conservative
+        # (inputs autograd keeps anyway count too), and the peak reached is reported by bench dmr.
+        headroom = int(self.cfg.memory_budget_mb * 2**20) or (_free_memory_bytes(trainer.device) // 2 or peak // 4)
+        blocks = list(dict.fromkeys(r.block for r in self._records if r.block))
+        self._profiled.append(Profile(model=getattr(trainer.cfg.model, "preset", ""), strategy=trainer.strategy.name,
+                                      rank=trainer.rank, stage=getattr(trainer.strategy, "stage", 0),
+                                      iteration_s=time.perf_counter() - self._t0, memory_budget_bytes=peak + headroom,
+                                      peak_bytes=peak, memory_curve=curve or [(0.0, peak)], blocks=blocks,
+                                      ops=self._records, windows=self._window_records))
+        if len(self._profiled) < self.cfg.profile_steps:
+            return None
+        self.profile, self._profiled = median_profile(self._profiled), []
+        self.profile.meta = self._fingerprint_cost(trainer.device)
+        self.plan = plan_static(self.profile, self.planner_config())
+        self.budget_bytes = self.budget_bytes or headroom
+        self.dynamic = DynamicPlanner(int(self.plan.summary.get("dynamic_budget_bytes") or headroom))
+        self._profiling = False
+        self._set_early_stop()
+        return self.profile
+
+    def _fingerprint_cost(self, device: torch.device) -> dict[str, float]:
+        """What this engine's fingerprint costs on ``device``, for the planner to charge the windows with: a fixed
+        cost per output (the fingerprint of 4 KiB) and a cost per byte (of 32 MiB, more than a cache holds: the
+        outputs a window fingerprints were written a while before), each the median of five."""
+        def median_s(t: torch.Tensor) -> float:
+            times = []
+            for _ in range(6):
+                if self._sync is not None:
+                    self._sync()
+                t0 = time.perf_counter()
+                float(self._fp(t).sums[0])  # (waits for the device)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times[1:])
+
+        with _checking(), torch.no_grad():
+            small, big = torch.ones(2**10, device=device), torch.ones(2**23, device=device)
+            call_s, big_s = median_s(small), median_s(big)
+        return {"fingerprint_call_s": call_s,
+                "fingerprint_s_per_byte": max(0.0, big_s - call_s) / (big.numel() * big.element_size())}
+
+    def planner_config(self, phases: tuple[int, ...] | None = None) -> PlannerConfig:
+        """The planner settings this engine's config implies (``phases``: the ablation's, else the config's)."""
+        return PlannerConfig(phases=tuple(phases or self.cfg.phases), keep_outputs=not self.cfg.fingerprints,
+                             pdmr_tail=self.cfg.pdmr_tail, window_fill=self.cfg.window_fill, carry=self.cfg.carry_budget,
+                             use_dp_windows=self.cfg.dp_windows)
+
+    # ---- reporting -------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        out = {f"dmr_{k.replace('-', '_')}": v for k, v in self.counts.items()}
+        out["dmr_detected_total"] = self.totals["detected"]
+        return out
+
+    def coverage_report(self) -> dict[str, Any]:
+        """The last step's ops with their strategy and window, and the verified share of compute ops."""
+        compute = [c for c in self.coverage if c[3] not in ("view", "comm", "alloc", "none")]
+        verified = [c for c in compute if c[3] in ("naive", "p-dmr", "d-inter", "d-intra", "agc", "optimizer", "dynamic")]
+        unchecked = self.counts["stale"]  # deferred checks whose inputs changed before their window
+        by = Counter(c[3] for c in self.coverage)
+        return {"ops": [{"op": c[0], "name": c[1], "phase": c[2], "strategy": c[3], "window": c[4]} for c in self.coverage],
+                "compute_ops": len(compute), "verified_ops": len(verified) - unchecked, "stale": unchecked,
+                "coverage": ((len(verified) - unchecked) / len(compute)) if compute else 1.0, "by_strategy": dict(by)}
+
+def attach(trainer, cfg: DMRConfig | None = None, plan: Plan | None = None) -> DMREngine:
+    """Verify every op of ``trainer``'s iterations by DMR; returns the engine (counters, coverage)."""
+    return DMREngine(cfg, plan).attach(trainer)
