@@ -116,3 +116,15 @@ def test_heap_peak_sees_a_buffer_freed_inside_it_and_the_heap_in_use_drops_after
     assert before is not None and hp.peak is not None
     # (margins: the rest of the process allocates and frees a few hundred KB meanwhile; a missed buffer reads ~0)
     assert hp.peak - before >= 40 * 2**20 and after - before < 8 * 2**20
+
+
+
+def test_rss_bytes_sees_memory_the_process_touches():
+    # (a fresh interpreter: in this one, memory freed by earlier tests may already be resident and be reused)
+    probe = ("from trainguard.train.host_memory import rss_bytes\n"
+             "before = rss_bytes()\n"
+             "block = b'\\x01' * (64 << 20)  # written, so every page of it is resident\n"
+             "print(before, rss_bytes(), len(block))")
+    before, after, n = map(int, subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                               check=True).stdout.split())
+    assert n == 64 << 20 and before > 0 and after - before >= 48 << 20, (before, after)

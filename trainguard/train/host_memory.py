@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import sys
 import threading
 
@@ -70,6 +71,15 @@ def retain_freed_memory() -> bool:
 def host_memory_mode() -> str:
     """``retain`` once :func:`retain_freed_memory` is in force in this process, else ``default``."""
     return "retain" if _applied else "default"
+
+
+def rss_bytes() -> int:
+    """The process's resident size (``/proc/self/statm``; 0 where the platform has no such file)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 class _MallInfo2(ctypes.Structure):

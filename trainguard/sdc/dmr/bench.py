@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -57,7 +56,7 @@ from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import PassThroughMode, attach
 from trainguard.sdc.dmr.planner import plan_static
 from trainguard.train import Trainer, TrainerConfig
-from trainguard.train.host_memory import HeapPeak
+from trainguard.train.host_memory import HeapPeak, rss_bytes
 from trainguard.train.launch import exit_rank
 
 SYSTEMS = ("none", "naive", "sparetrain-p1", "sparetrain-p12", "sparetrain")  # the default run
@@ -78,14 +77,6 @@ HOLD_MAX_FACTOR = 2.0
 # rank (8 MiB of 4 KiB pages): its heap has reached its peak. (A first fault costs about 15 us here: 110,000 of them, one
 # SpareTrain step's growth at idle 0.3, were 1.7 s of system time.)
 WARM_FAULTS = 2000
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
 
 
 def _mean_over_ranks(x: float) -> float:
@@ -274,7 +265,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             per[s]["times"] += t
             per[s]["by_round"].append(statistics.median(t))
             per[s]["idle"].append(idle)
-            per[s]["rss"].append(_rss_bytes())
+            per[s]["rss"].append(rss_bytes())
         if delay > 0 and "none" in systems:
             idle_r = _mean_over_ranks(per["none"]["idle"][-1])
             by_round.append({"link_delay_ms": delay * 1000, "no_dmr_idle_fraction": idle_r})

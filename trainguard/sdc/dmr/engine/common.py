@@ -134,14 +134,6 @@ def _is_list_update(name: str) -> bool:
     return name in _FUSED_OPTIMIZERS or (name.startswith("aten._foreach_") and name.split(".")[1].endswith("_"))
 
 
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
-
-
 def _all_tensors(out: Any) -> bool:
     return isinstance(out, torch.Tensor) or (isinstance(out, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in out))
 

@@ -43,7 +43,6 @@ from trainguard.sdc.dmr.engine.common import (
     _primary,
     _record_on,
     _routing_copy,
-    _rss_bytes,
     _Segment,
     _storage_key,
     _storage_or_none,
@@ -58,6 +57,7 @@ from trainguard.sdc.dmr.plan import CARRY, Plan
 from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
 from trainguard.sdc.dmr.profile import OpRecord, Profile, Window, median_profile
 from trainguard.train.activation_checkpoint import add_checkpoint_context, set_checkpoint_early_stop
+from trainguard.train.host_memory import rss_bytes
 
 
 class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks):
@@ -951,7 +951,7 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks):
         self._records.append(rec)
         self._last_op = op_id
         if len(self._records) % 16 == 0:
-            self._curve.append((t0 - self._t0, _rss_bytes()))
+            self._curve.append((t0 - self._t0, rss_bytes()))
         self._own(phase, op_id, dynamic)
         return out
 
@@ -960,7 +960,7 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks):
         the profile (:func:`median_profile` of them) and the plan made from it (kept as ``self.profile`` and
         ``self.plan``); None while more are to come."""
         curve = self._curve
-        peak = max((b for _, b in curve), default=_rss_bytes())
+        peak = max((b for _, b in curve), default=rss_bytes())
         # The paper's budget is the device's memory: by default the checks may hold half of what is free now
         # (the rest stays for the run's own growth); the planner's count of retained inputs is conservative
         # (inputs autograd keeps anyway count too), and the peak reached is reported by bench dmr.
