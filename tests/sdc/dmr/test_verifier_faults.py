@@ -7,6 +7,7 @@ package's conftest (the windowed trainer's)."""
 from __future__ import annotations
 
 import threading
+import time
 from unittest import mock
 
 import pytest
@@ -40,10 +41,11 @@ class _OnTheWorker(Injector):
         return super()._on_op(func, out, args, kwargs)
 
 
-def _run(batches, faults: list[Fault], injector: type[Injector] = Injector):
+def _run(batches, faults: list[Fault], injector: type[Injector] = Injector, window_s: float | None = None):
     t = trainer(batches)
     inj = injector(faults, seed=5).attach(t)
-    eng = windowed(t, "thread")
+    eng = windowed(t, "thread") if window_s is None else \
+        windowed(t, "thread", transfer=lambda: (lambda: time.sleep(window_s)))
     for _ in range(3):
         t.train_step()
     return t, eng, inj
@@ -51,10 +53,11 @@ def _run(batches, faults: list[Fault], injector: type[Injector] = Injector):
 
 def test_a_fault_in_a_checker_on_the_window_worker_is_detected_and_the_run_ends_bitwise(batches, clean):
     # the first checker mm the worker runs in step 1, and in step 2 too: a loaded host may leave a window's
-    # worker no time for an mm in one step, never (with a 100 ms window) in both
+    # worker no time for an mm in one step. Windows of 400 ms: in 100 ms ones, a slow host under the suite's load
+    # (2026-12-02) spent both steps' windows on the fingerprints the worker takes first and reached no mm at all
     faults = [Fault(OpSite("aten.mm*", "any", 0, compute_only=True, verifier=True), FaultModel("bitflip", bit=30),
                     step=step) for step in (1, 2)]
-    t, eng, inj = _run(batches, faults, _OnTheWorker)
+    t, eng, inj = _run(batches, faults, _OnTheWorker, window_s=0.4)
     assert inj.records, "no checker mm ran on the window's worker in step 1 or 2"
     assert all(r.phase == "verifier" and r.target.startswith("aten.mm") and r.thread == "worker"
                for r in inj.records)
