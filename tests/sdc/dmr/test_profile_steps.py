@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-import trainguard.sdc.dmr.engine.core as engine_mod
+import trainguard.sdc.dmr.engine.profiling as profiling_mod
 from tests.sdc.dmr._windowed import clean_params, equal, params, trainer, windowed
+from trainguard.sdc.dmr.engine import DMREngine
 from trainguard.sdc.dmr.planner import plan_static
 from trainguard.sdc.dmr.profile import OpRecord, Profile, Window, median_profile
 
@@ -27,14 +28,14 @@ def _transfer():
 def _profiled(batches, steps: int):
     """A windowed trainer whose first step was profiled ``steps`` times, and the profiles the engine merged."""
     merged: list[list[Profile]] = []
-    real = engine_mod.median_profile
+    real = profiling_mod.median_profile
     t = trainer(batches, *NO_AC)
     eng = windowed(t, "thread", transfer=_transfer, coverage=True, profile_steps=steps)
     try:
-        engine_mod.median_profile = lambda ps: (merged.append(list(ps)), real(ps))[1]
+        profiling_mod.median_profile = lambda ps: (merged.append(list(ps)), real(ps))[1]
         result = t.train_step()
     finally:
-        engine_mod.median_profile = real
+        profiling_mod.median_profile = real
     return t, eng, result, merged
 
 
@@ -110,7 +111,7 @@ def test_sigterm_during_a_profiled_attempt_checkpoints_after_the_step_and_the_re
     clean = clean_params(batches, *NO_AC, steps=steps)
     args = (*NO_AC, "--train.steps", str(steps), "--checkpoint.dir", str(tmp_path / "ck"), "--output.dir",
             str(tmp_path / "out"))
-    real = engine_mod.DMREngine.finish_profile
+    real = DMREngine.finish_profile
     calls: list[int] = []
 
     def sigterm_after_the_first_profile(self, trainer_):
@@ -119,7 +120,7 @@ def test_sigterm_during_a_profiled_attempt_checkpoints_after_the_step_and_the_re
             os.kill(os.getpid(), signal.SIGTERM)  # (the second profiled attempt runs with the stop pending)
         return real(self, trainer_)
 
-    monkeypatch.setattr(engine_mod.DMREngine, "finish_profile", sigterm_after_the_first_profile)
+    monkeypatch.setattr(DMREngine, "finish_profile", sigterm_after_the_first_profile)
     first = trainer(batches, *args)
     eng = windowed(first, "thread", transfer=_transfer, profile_steps=3)
     summary = first.run()

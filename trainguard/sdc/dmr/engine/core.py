@@ -1,13 +1,13 @@
 """The DMR engine's core (:class:`DMREngine`): wiring into the trainer, where an op is (phase, module, ids), the
-strategy each op gets, its execution (naive, P-DMR, AGC taping), fingerprints taken later, comparisons, profiling
-and the coverage report. The update stage, carried checks, deferred checks and windows are its parts in
-``update.py``, ``carry.py``, ``deferred.py`` and ``windows.py``. Relies on torch.
+strategy each op gets and its execution (naive, P-DMR), and the coverage report. Its parts, each a mixin of
+``DMREngine``: the update stage (``update.py``), checks carried past the update (``carry.py``), deferred checks
+(``deferred.py``), windows (``windows.py``), AGC taping (``tapes.py``), fingerprints taken later
+(``fingerprints.py``), comparisons (``compare.py``) and profiling (``profiling.py``). Relies on torch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import statistics
 import threading
 import time
 import weakref
@@ -16,14 +16,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from trainguard.errors import SuspectedHardwareFault
 from trainguard.faults.injector import _CHECKER as _INJECTOR_FLAG  # the flag checker_execution() sets
 from trainguard.faults.injector import _INJECTING, patterns_counting_views  # (injecting()'s flag)
 from trainguard.models.moe import in_routed_region
 from trainguard.sdc.dmr import ops as dops
-from trainguard.sdc.dmr.agc import StaleInput, Tape
+from trainguard.sdc.dmr.agc import Tape
 from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.determinism import load_tolerances
 from trainguard.sdc.dmr.dynamic import DynamicPlanner
@@ -36,31 +35,31 @@ from trainguard.sdc.dmr.engine.common import (
     Deferred,
     Mismatch,
     _all_tensors,
-    _checking,
-    _free_memory_bytes,
     _is_list_update,
     _Later,
     _primary,
-    _record_on,
     _routing_copy,
     _Segment,
     _storage_key,
     _storage_or_none,
     _with_routing,
 )
+from trainguard.sdc.dmr.engine.compare import Comparisons
 from trainguard.sdc.dmr.engine.deferred import DeferredChecks
+from trainguard.sdc.dmr.engine.fingerprints import LaterFingerprints
 from trainguard.sdc.dmr.engine.guard import DMRGuard
 from trainguard.sdc.dmr.engine.modes import _DMRMode
+from trainguard.sdc.dmr.engine.profiling import Profiling
+from trainguard.sdc.dmr.engine.tapes import AGCTapes
 from trainguard.sdc.dmr.engine.update import UpdateStageChecks, _HeldUpdate
 from trainguard.sdc.dmr.engine.windows import WindowChecks
 from trainguard.sdc.dmr.plan import CARRY, Plan
-from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
-from trainguard.sdc.dmr.profile import OpRecord, Profile, Window, median_profile
+from trainguard.sdc.dmr.profile import OpRecord, Profile, Window
 from trainguard.train.activation_checkpoint import add_checkpoint_context, set_checkpoint_early_stop
-from trainguard.train.host_memory import rss_bytes
 
 
-class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks):
+class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks, AGCTapes, LaterFingerprints, Comparisons,
+                Profiling):
     def __init__(self, cfg: DMRConfig | None = None, plan: Plan | None = None):
         self.cfg = (cfg or DMRConfig(enabled=True)).validate()
         self._plan = plan
@@ -545,7 +544,7 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks):
             self._own(phase, op_id, dynamic)
         return out
 
-    # ---- AGC segments (replayed from their boundary tensors, agc.py) ------------------------------
+    # ---- the plan, indexed (AGC segments' ops, later windows' room) ------------------------------------
     def _index_plan(self) -> None:
         """Which ops each AGC segment of the plan tapes (its forward and gradient ops), and the free time later
         windows have (``_room_after``)."""
@@ -561,54 +560,7 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks):
             if not w.dynamic:
                 room = max(room, w.duration_s - w.used_s)
 
-    def _tape(self, a) -> Tape:
-        tape = self._tapes.get(a.id)
-        if tape is None:
-            tape = self._tapes[a.id] = Tape(a.id, a.window, len(a.forward_ops) + len(a.bw_ops))
-        return tape
-
-    def _tape_record(self, op_id: str, func, args, kwargs, out, strategy: str) -> None:
-        a = self._agc_of.get(op_id)
-        if a is None:
-            return
-        if strategy == "naive" and op_id in a.ops:  # could not be taped (in place or random): others read it as boundary
-            self._tape(a).seen.add(op_id)
-            return
-        # (the primary's fingerprints taken later, off the main thread, like the deferred checks' ones)
-        self._tape(a).record(op_id, func, args, kwargs, out, self._fp_later, self._is_param, self._produced_here)
-
-    def _tape_alias(self, op_id: str, twin: str, out) -> None:
-        a = self._agc_of.get(twin)
-        if a is None:
-            return
-        tape = self._tape(a)
-        e = tape.entry_of(twin)
-        if e is not None:
-            tape.alias(op_id, e.out_slots, out, self._fp_later)
-
-    def _replay(self, tape: Tape, where: str) -> None:
-        found: list[str] = []
-
-        def differs() -> None:
-            if not found:  # (one detection per segment, as when the replay stops at its first difference)
-                found.append(tape.seg_id)
-                self._mismatch(tape.seg_id, "agc-segment", "backward", "agc", f"AGC segment {tape.seg_id} replay differs")
-
-        # where flags are read at the verdict the replay runs to its end and each comparison leaves a flag
-        agree = self._agree if self._flags is None else (
-            lambda name, e, g: self._compare(name, e, g, differs) or True)
-        try:
-            bad = tape.replay(self._fp, agree)
-        except StaleInput:
-            self.counts["stale"] += 1
-            self.totals["stale"] += 1
-            return
-        except Exception as err:  # a replay that cannot run is a detection, not a crash of the step
-            bad = f"{tape.seg_id} (replay failed: {type(err).__name__})"
-        self.counts[f"agc-replayed-in-{where.split(':')[0]}"] += 1
-        if bad is not None:
-            self._mismatch(bad, "agc-segment", "backward", "agc", f"AGC segment {tape.seg_id} replay differs")
-
+    # ---- autograd owners and constants ------------------------------------------------------------
     def _owner(self, phase: str) -> tuple[str, str, bool, int] | None:
         """For backward ops: the forward (or recompute) op whose autograd node is running."""
         if phase != "backward":
@@ -751,262 +703,6 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks):
         self.totals["detected"] += 1
         self.totals["repaired_optimizer"] += 1
         return out
-
-    def _fp(self, value) -> dops.Fingerprint:
-        return dops.Fingerprint.of(value, floats=self.cfg.compare == "tolerance")
-
-    # ---- fingerprints taken later, in the windows -------------------------------------------------------
-    def _lazy_ok(self) -> bool:
-        """Fingerprints go to the windows' worker only where windows exist and the plan is being followed."""
-        return self.deferrable and not self._profiling and self.calibration is None
-
-    def _fp_later(self, value) -> dops.Fingerprint | _Later:
-        """``value``'s fingerprint, or a :class:`_Later` one while the outputs it holds fit half the budget (the
-        other half is the deferred checks'): the checksums then run on the worker thread in the next window."""
-        if not self._lazy_ok():
-            return self._fp(value)
-        ts = [value] if type(value) is torch.Tensor else dops.tensors(value)
-        lz = _Later(value, ts)
-        if self.budget_bytes and self.later_bytes + lz.nbytes > self.budget_bytes // 2:
-            return self._fp(value)
-        with self._lock:
-            self.counts["fingerprints-later"] += 1
-            self.later_bytes += lz.nbytes
-            self._later_fifo.append(lz)
-            for t in ts:
-                self._later_by_storage.setdefault(_storage_key(t), []).append(lz)
-        return lz
-
-    def _resolve(self, x: dops.Fingerprint | _Later) -> dops.Fingerprint | None:
-        """The fingerprint (None: a tensor changed in place without passing the engine, so not checkable)."""
-        if not isinstance(x, _Later):
-            return x
-        if x.fp is None and x.value is not None:
-            ts = dops.tensors(x.value)
-            if self._on_side is not None:
-                _record_on(self._on_side, ts)
-            if any(t._version != v for t, v in zip(ts, x.versions)):
-                self.counts["stale"] += 1
-                self.totals["stale"] += 1
-            else:
-                x.fp = self._fp(x.value)
-            x.value = None  # the outputs are released
-            with self._lock:
-                self.later_bytes -= x.nbytes
-        return x.fp
-
-    def _settle_written(self, func, args, kwargs, every: bool = False) -> None:
-        """Before an op writes into tensors whose fingerprints are still to be taken: take them now; and queued
-        checks that keep one of those tensors as an input get a copy of it. ``every``: all its tensor arguments
-        (communication: a receive writes its buffer when the transfer completes, outside the dispatcher and without
-        a version bump). An in-place op bumps the version, which would leave such a check stale (not checkable);
-        it is copied instead: a check left to a later window or the drain, after an op that writes its input (the
-        gradient copied back from the replicas' all-reduce into the gradients it concatenated), still runs."""
-        for t in (dops.call_tensors(args, kwargs) if every else dops.written_args(func, args, kwargs)):
-            key = _storage_key(t)
-            waiting = self._later_by_storage.pop(key, None)
-            for lz in waiting or ():
-                self._resolve(lz)
-            self._copy_kept(key)
-
-    def _copy_kept(self, key: int) -> None:
-        """Queued checks that keep the storage ``key`` by reference get their own copy of what they keep of it."""
-        for held, ref in self._kept_by_storage.pop(key, ()):
-            kept = ref()
-            if kept is None or held["args"] is None:  # (already checked)
-                continue
-            copy = kept.clone()
-            held["args"] = tree_map(lambda v, kept=kept, copy=copy: copy if v is kept else v, held["args"])
-            for i, v in enumerate(held["ins"]):
-                if v is kept:
-                    held["ins"][i], held["versions"][i] = copy, copy._version
-            self.counts["kept-input-copied"] += 1
-
-    def _settle(self, more: Callable[[], bool] = lambda: True) -> None:
-        """Take the fingerprints still to be taken and run the P-DMR comparisons waiting for them, in order,
-        while ``more()`` (a window still open) says so."""
-        while self._later_fifo and more():
-            self._settle_one(self._later_fifo.popleft(), self._pdmr_differs)
-        if not self._later_fifo and not self._carried_fifo:
-            self._later_by_storage.clear()
-
-    def _pdmr_differs(self, op_id: str, name: str) -> None:
-        self._mismatch(op_id, name, "forward", "p-dmr", "forward and recompute differ")
-
-    def _settle_one(self, item: _Later | tuple, differs: Callable[[str, str], None]) -> None:
-        """Take one queued fingerprint, or run one P-DMR comparison: ``differs(op id, name)`` when the two differ."""
-        if isinstance(item, _Later):
-            self._resolve(item)
-            return
-        op_id, name, expect, got = item
-        e, g = self._resolve(expect), self._resolve(got)
-        if e is not None and g is not None:
-            self._compare(name, e, g, lambda: differs(op_id, name))
-
-    # ---- comparisons read at the verdict (the stream executor) -----------------------------------------
-    # On a device, reading a comparison's result is a host synchronisation: the host would wait for each checker
-    # instead of running ahead. With the stream executor, a comparison whose outcome only decides the verdict
-    # leaves a flag on the device instead; the verdict reads them all in one transfer and acts on them in order.
-    def _compare(self, name: str, expect: Any, got: Any, differs: Callable[[], None]) -> None:
-        """``differs()`` when two fingerprints differ: at once, or when the verdict reads the flags."""
-        if self._flags is None or self.calibration is not None:
-            if not self._agree(name, expect, got):
-                differs()
-            return
-        if isinstance(expect, _Later) or isinstance(got, _Later):
-            expect, got = self._resolve(expect), self._resolve(got)
-            if expect is None or got is None:
-                return  # counted as stale (not checkable), never as a detection
-        differ = expect.differs(got, self.rtol.get(name, 0.0))
-        if isinstance(differ, torch.Tensor):
-            self._flag(differ, differs)
-        elif differ:
-            differs()
-
-    def _flag(self, differ: torch.Tensor, differs: Callable[[], None], agrees: Callable[[], None] | None = None) -> None:
-        with self._lock:
-            self._flags.append((differ, differs, agrees))
-
-    def _read_flags(self) -> None:
-        """Read the pending comparisons' flags (one device-to-host transfer) and act on each, in order."""
-        if not self._flags:
-            return
-        flags, self._flags = self._flags, []
-        values = dops.stack([f for f, _, _ in flags]).tolist()
-        self.counts["flags-read"] += len(flags)
-        failed: BaseException | None = None
-        with _checking():  # (a held update's tie-breaker runs here: an engine execution, not an op of the step)
-            for differ, (_, differs, agrees) in zip(values, flags):
-                try:  # every flag is acted on (a held update's copies must follow its verdict) before one raises
-                    if differ:
-                        differs()
-                    elif agrees is not None:
-                        agrees()
-                except Exception as err:
-                    failed = failed or err
-        if failed is not None:
-            raise failed
-
-    def _agree(self, name: str, expect: dops.Fingerprint, got: dops.Fingerprint) -> bool:
-        if isinstance(expect, _Later) or isinstance(got, _Later):
-            expect, got = self._resolve(expect), self._resolve(got)
-            if expect is None or got is None:
-                return True  # counted as stale (not checkable), never as a detection
-        if self.calibration is not None:  # recording a determinism report: measure, never flag
-            self.calibration[name] = max(self.calibration.get(name, 0.0), expect.gap(got))
-            return True
-        return expect.matches(got, self.rtol.get(name, 0.0))
-
-    def _same(self, func, a, b) -> bool:
-        if self.calibration is not None:
-            name = dops.info(func).name
-            self.calibration[name] = max(self.calibration.get(name, 0.0), dops.relative_gap(a, b))
-            return True
-        rtol = self.rtol.get(dops.info(func).name, 0.0)
-        if rtol <= 0:
-            return dops.checksums_equal(a, b) if self.cfg.fingerprints else dops.bitwise_equal(a, b)
-        return dops.Fingerprint.of(a, floats=True).matches(dops.Fingerprint.of(b, floats=True), rtol)
-
-
-    def _mismatch(self, op_id: str, name: str, phase: str, strategy: str, detail: str) -> None:
-        with self._lock:
-            self.mismatches.append(Mismatch(op_id, name, phase, strategy, detail))
-            self.totals["detected"] += 1
-
-
-    # ---- profiling -------------------------------------------------------------------------------
-    def _record(self, func, args, kwargs, kind: str | None, phase: str, op_id: str | None, dynamic: bool,
-                recompute_of: str | None = None) -> Any:
-        if self._sync is not None:  # (a profiled attempt: the op's own time on the device, not its launch's)
-            self._sync()
-        t0 = time.perf_counter()
-        out = _primary(func, args, kwargs)
-        if self._sync is not None:
-            self._sync()
-        dt = time.perf_counter() - t0
-        if op_id is None:  # a collective
-            op_id = self._next_id("comm", False)
-        ins = dops.call_tensors(args, kwargs)
-        outs = dops.tensors(out)
-        owner = self._owner(phase)
-        if kind is None:
-            kind = {"forward": "F", "recompute": "F", "optimizer": "O"}.get(phase, "B")
-            if kind == "B" and any(tuple(t.shape) in self._param_shapes for t in outs) and dops.info(func).name.startswith(
-                    ("aten.mm", "aten.sum", "aten.bmm", "aten.embedding_dense_backward")):
-                kind = "W"
-        module = self.module() if phase in ("forward", "recompute") else ""
-        block = self._block(module) if module else (owner[1] if owner else "")
-        seg = self._segments[-1][0] if self._segments and phase in ("forward", "recompute") else None
-        rec = OpRecord(
-            id=op_id, name=dops.info(func).name, phase=phase if phase != "optimizer" or self._optimizer_phase else "optimizer",
-            kind=kind, module=module, block=block, ac_segment=f"{seg.path}" if seg is not None else None,
-            seg_index=(len(seg.records) - 1 if phase == "forward" else seg.cursor - 1) if seg is not None else -1,
-            start_s=t0 - self._t0, time_s=dt,
-            in_bytes=dops.bytes_of(ins),
-            out_bytes=dops.bytes_of(outs),
-            param_bytes=dops.bytes_of(t for t in ins if self._is_param(t)),
-            dynamic=dynamic, microbatch=max(self._micro, 0) if phase in ("forward", "recompute") else
-            (owner[3] if owner else 0), grad_of=owner[0] if owner else None, recompute_of=recompute_of,
-            ac_call=seg.call if seg is not None else -1)
-        self._records.append(rec)
-        self._last_op = op_id
-        if len(self._records) % 16 == 0:
-            self._curve.append((t0 - self._t0, rss_bytes()))
-        self._own(phase, op_id, dynamic)
-        return out
-
-    def finish_profile(self, trainer) -> Profile | None:
-        """Record the attempt just profiled. After ``profile_steps`` of them (the first step, re-executed each time):
-        the profile (:func:`median_profile` of them) and the plan made from it (kept as ``self.profile`` and
-        ``self.plan``); None while more are to come."""
-        curve = self._curve
-        peak = max((b for _, b in curve), default=rss_bytes())
-        # The paper's budget is the device's memory: by default the checks may hold half of what is free now
-        # (the rest stays for the run's own growth); the planner's count of retained inputs is conservative
-        # (inputs autograd keeps anyway count too), and the peak reached is reported by bench dmr.
-        headroom = int(self.cfg.memory_budget_mb * 2**20) or (_free_memory_bytes(trainer.device) // 2 or peak // 4)
-        blocks = list(dict.fromkeys(r.block for r in self._records if r.block))
-        self._profiled.append(Profile(model=getattr(trainer.cfg.model, "preset", ""), strategy=trainer.strategy.name,
-                                      rank=trainer.rank, stage=getattr(trainer.strategy, "stage", 0),
-                                      iteration_s=time.perf_counter() - self._t0, memory_budget_bytes=peak + headroom,
-                                      peak_bytes=peak, memory_curve=curve or [(0.0, peak)], blocks=blocks,
-                                      ops=self._records, windows=self._window_records))
-        if len(self._profiled) < self.cfg.profile_steps:
-            return None
-        self.profile, self._profiled = median_profile(self._profiled), []
-        self.profile.meta = self._fingerprint_cost(trainer.device)
-        self.plan = plan_static(self.profile, self.planner_config())
-        self.budget_bytes = self.budget_bytes or headroom
-        self.dynamic = DynamicPlanner(int(self.plan.summary.get("dynamic_budget_bytes") or headroom))
-        self._profiling = False
-        self._set_early_stop()
-        return self.profile
-
-    def _fingerprint_cost(self, device: torch.device) -> dict[str, float]:
-        """What this engine's fingerprint costs on ``device``, for the planner to charge the windows with: a fixed
-        cost per output (the fingerprint of 4 KiB) and a cost per byte (of 32 MiB, more than a cache holds: the
-        outputs a window fingerprints were written a while before), each the median of five."""
-        def median_s(t: torch.Tensor) -> float:
-            times = []
-            for _ in range(6):
-                if self._sync is not None:
-                    self._sync()
-                t0 = time.perf_counter()
-                float(self._fp(t).sums[0])  # (waits for the device)
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times[1:])
-
-        with _checking(), torch.no_grad():
-            small, big = torch.ones(2**10, device=device), torch.ones(2**23, device=device)
-            call_s, big_s = median_s(small), median_s(big)
-        return {"fingerprint_call_s": call_s,
-                "fingerprint_s_per_byte": max(0.0, big_s - call_s) / (big.numel() * big.element_size())}
-
-    def planner_config(self, phases: tuple[int, ...] | None = None) -> PlannerConfig:
-        """The planner settings this engine's config implies (``phases``: the ablation's, else the config's)."""
-        return PlannerConfig(phases=tuple(phases or self.cfg.phases), keep_outputs=not self.cfg.fingerprints,
-                             pdmr_tail=self.cfg.pdmr_tail, window_fill=self.cfg.window_fill, carry=self.cfg.carry_budget,
-                             use_dp_windows=self.cfg.dp_windows)
 
     # ---- reporting -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
