@@ -54,6 +54,10 @@ def test_the_bench_reports_the_floor_beside_the_systems_it_bounds():
     assert out["gain_ceiling_free_verifier"] == pytest.approx(tps["none"] / tps["naive"] - 1)
     assert len(out["by_round"]["gain_ceiling_python_mode"]) == 2
     assert out["detected_in_clean_runs"] == 0 and out["coverage"] == 1.0
+    for s in systems:  # the main thread's own usage, beside its CPU time (Linux)
+        v = res["systems"][s]
+        assert 0 <= v["main_sys_s"] <= v["main_cpu_s"] + 0.01
+        assert v["main_minor_faults"] >= 0 and v["main_involuntary_switches"] >= 0
 
 
 def test_the_floor_is_not_run_unless_asked_for_and_a_system_named_twice_is_refused(capsys):

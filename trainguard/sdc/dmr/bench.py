@@ -8,7 +8,9 @@ otherwise be charged with); throughput is tokens over the median step time of ea
 after each switch of system is not timed (``switch_warmup``): a switch drops the DMR engine's copies of
 the state, which the held update then makes again, once a run in training, once a round here. Each
 system's ``main_cpu_s`` is the main thread's CPU time per step (median): the engine's work on the
-critical path, less noisy than wall time. No-DMR runs with
+critical path, less noisy than wall time; ``main_sys_s``, ``main_minor_faults`` and ``main_involuntary_switches``
+(medians per step too, Linux) are the kernel's share of it, the pages it touched first and how often another thread
+took its core while it could run. No-DMR runs with
 no dispatch mode at all (plain activation checkpointing with early stop); Naive-Only re-executes every op
 at once; SpareTrain verifies the activation-checkpointed ops on their recompute (P-DMR) and defers the
 others into pipeline transfer windows as planned from a profile of the run. Ablation: ``sparetrain-p1``
@@ -97,6 +99,18 @@ def _page_faults() -> int:
         return 0
 
 
+def _thread_usage() -> tuple[float, int, int]:
+    """The calling thread's system CPU time, minor page faults and involuntary context switches so far (Linux's
+    ``RUSAGE_THREAD``; zeros where the platform has none)."""
+    try:
+        import resource
+
+        r = resource.getrusage(resource.RUSAGE_THREAD)
+    except (ImportError, AttributeError, OSError):
+        return 0.0, 0, 0
+    return r.ru_stime, r.ru_minflt, r.ru_nivcsw
+
+
 def _warm_up(engine, trainer, system: str, plans: dict | None, most: int) -> int:
     """Untimed steps of ``system`` until two in a row each add fewer than WARM_FAULTS page faults (the mean over
     ranks: every rank stops at the same step), at most ``most``; returns how many ran. (Two: the first step after a
@@ -153,11 +167,15 @@ def _timed_steps(trainer, n: int, engine=None, where: dict | None = None) -> tup
     w0 = getattr(sched, "wait_s", 0.0)
     times = []
     for _ in range(n):
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, u0 = time.perf_counter(), time.thread_time(), _thread_usage()
         trainer.train_step()
         times.append(time.perf_counter() - t0)
         if where is not None:  # the main thread's own CPU time: what the engine adds to the critical path
             where.setdefault("main_cpu_s", []).append(time.thread_time() - c0)
+            # and of it, the kernel's share (page faults, futexes), the pages it touched first, and how often another
+            # thread took its core while it could run: where CPU time that moves between runs could come from
+            for k, a, b in zip(("main_sys_s", "main_minor_faults", "main_involuntary_switches"), u0, _thread_usage()):
+                where.setdefault(k, []).append(b - a)
         if engine is not None and where is not None:
             where.setdefault("overrun_s", []).append(sum(w[2] for w in engine.window_log))
             where.setdefault("drain_s", []).append(engine.drain_s)
@@ -296,7 +314,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
                         "idle_fraction": statistics.median(v["idle"]), "peak_rss_bytes": max(v["rss"]),
                         "peak_heap_bytes": heap[s], "step_s_by_round": v["by_round"],
                         **({"ops_through_mode": v["mode_ops"]} if "mode_ops" in v else {}),
-                        **{(k if k == "main_cpu_s" else f"checker_{k}"): statistics.median(x)
+                        **{(k if k.startswith("main_") else f"checker_{k}"): statistics.median(x)
                            for k, x in v["where"].items()}}
                     for s, v in per.items()},
         "coverage": coverage["coverage"], "compute_ops": coverage["compute_ops"], "by_strategy": coverage["by_strategy"],
