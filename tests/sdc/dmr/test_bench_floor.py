@@ -54,6 +54,7 @@ def test_the_bench_reports_the_floor_beside_the_systems_it_bounds():
     assert out["gain_ceiling_free_verifier"] == pytest.approx(tps["none"] / tps["naive"] - 1)
     assert len(out["by_round"]["gain_ceiling_python_mode"]) == 2
     assert out["detected_in_clean_runs"] == 0 and out["coverage"] == 1.0
+    assert len(res["host_probe_by_round"]) == 2 and out["host_probe_by_round"] == res["host_probe_by_round"]
     for s in systems:  # the main thread's own usage, beside its CPU time (Linux)
         v = res["systems"][s]
         assert 0 <= v["main_sys_s"] <= v["main_cpu_s"] + 0.01

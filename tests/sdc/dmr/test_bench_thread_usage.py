@@ -36,3 +36,20 @@ def test_a_thread_counts_the_pages_it_touches_and_not_another_threads():
     _, f2, _ = bench._thread_usage()
     assert len(other) == 1 and len(kept) == SIZE
     assert f2 - f1 < (f1 - f0) // 4  # (the other thread's faults are its own)
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_the_host_probe_times_both_pieces_and_leaves_the_collector_as_it_found_it(collector_on):
+    import gc
+
+    was = gc.isenabled()
+    (gc.enable if collector_on else gc.disable)()
+    try:
+        before = len(gc.get_objects())
+        probe = bench.host_probe(seed=1)
+        assert gc.isenabled() is collector_on
+        assert probe["python_walk_s"] > 0 and probe["matmul_s"] > 0
+        # its objects are freed: nothing it made is left for a later step's collection
+        assert len(gc.get_objects()) < before + bench._PROBE_OBJECTS // 100
+    finally:
+        (gc.enable if was else gc.disable)()

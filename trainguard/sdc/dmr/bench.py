@@ -10,7 +10,9 @@ the state, which the held update then makes again, once a run in training, once 
 system's ``main_cpu_s`` is the main thread's CPU time per step (median): the engine's work on the
 critical path, less noisy than wall time; ``main_sys_s``, ``main_minor_faults`` and ``main_involuntary_switches``
 (medians per step too, Linux) are the kernel's share of it, the pages it touched first and how often another thread
-took its core while it could run. No-DMR runs with
+took its core while it could run. Before each round every rank probes the host (``host_probe_by_round``, rank 0's in
+the merged output): the CPU time of a fixed Python walk over objects scattered in memory and of a fixed matmul loop,
+to tell a host that slows Python bookkeeping from one that slows kernels. No-DMR runs with
 no dispatch mode at all (plain activation checkpointing with early stop); Naive-Only re-executes every op
 at once; SpareTrain verifies the activation-checkpointed ops on their recompute (P-DMR) and defers the
 others into pipeline transfer windows as planned from a profile of the run. Ablation: ``sparetrain-p1``
@@ -109,6 +111,50 @@ def _thread_usage() -> tuple[float, int, int]:
     except (ImportError, AttributeError, OSError):
         return 0.0, 0, 0
     return r.ru_stime, r.ru_minflt, r.ru_nivcsw
+
+
+class _Probe:
+    __slots__ = ("next", "value")
+
+    def __init__(self, value: int) -> None:
+        self.value, self.next = value, None
+
+
+_PROBE_OBJECTS = 1 << 18  # (about 25 MB of small objects: more than the caches hold)
+
+
+def host_probe(seed: int = 0) -> dict[str, float]:
+    """The calling thread's CPU time for two fixed pieces of work, to tell how the host's state moves each: Python
+    walking small objects scattered over memory (the kind of work a Python verifier's bookkeeping is) and a float32
+    matmul loop (kernels). A diagnostic of the host, never part of a system's figures. The collector is off while the
+    probe's objects live (they are all freed before it is back on, so no later step collects them)."""
+    import gc
+    import itertools
+    import random
+
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        nodes = [_Probe(i) for i in range(_PROBE_OBJECTS)]
+        order = list(range(_PROBE_OBJECTS))
+        random.Random(seed).shuffle(order)
+        for a, b in itertools.pairwise(order):
+            nodes[a].next = nodes[b]
+        c0 = time.thread_time()
+        node, total = nodes[order[0]], 0
+        while node is not None:
+            total += node.value
+            node = node.next
+        python_s = time.thread_time() - c0
+        del nodes, node
+    finally:
+        if was_on:
+            gc.enable()
+    a = torch.ones(256, 256)
+    c0 = time.thread_time()
+    for _ in range(256):
+        a = torch.mm(a, a).mul_(1 / 256)
+    return {"python_walk_s": python_s, "matmul_s": time.thread_time() - c0}
 
 
 def _warm_up(engine, trainer, system: str, plans: dict | None, most: int) -> int:
@@ -269,7 +315,9 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     # runs on the same link, so the comparison stays side by side)
     hold = bool(spec.get("hold_idle", True)) and delay > 0 and "none" in systems
     by_round: list[dict[str, float]] = []
+    probes: list[dict[str, float]] = []
     for r in range(rounds):
+        probes.append(host_probe(r))  # (each round's host, as the systems of that round met it)
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for s in order:
             _set_system(engine, trainer, s, plans)
@@ -307,7 +355,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     tokens = trainer.tokens_per_step
     out = {
         "rank": trainer.rank, "strategy": trainer.strategy.name, "link_delay_ms": delay * 1000, "warm_up_steps": warmed,
-        "idle_fraction_calibrated": calibrated, "hold_idle": hold, "rounds": by_round,
+        "idle_fraction_calibrated": calibrated, "hold_idle": hold, "rounds": by_round, "host_probe_by_round": probes,
         "profiled_attempts": profiled_attempts,
         "emulated_link": delay > 0, "tokens_per_step": tokens,
         "systems": {s: {"tokens_per_s": tokens / statistics.median(v["times"]), "step_s": statistics.median(v["times"]),
@@ -342,6 +390,8 @@ def merge(ranks: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
         "idle_fraction_emulated": ranks[0]["emulated_link"], "link_delay_ms": ranks[0]["link_delay_ms"],
         "idle_fraction_calibrated": ranks[0].get("idle_fraction_calibrated"),
         "idle_held": ranks[0].get("hold_idle", False),
+        # per timed round, on rank 0 before the round: the host's speed at Python bookkeeping and at kernels
+        "host_probe_by_round": ranks[0].get("host_probe_by_round", []),
         # per timed round: the link's delay and the No-DMR steps' idle share (mean over ranks)
         "idle_by_round": ranks[0].get("rounds", []),
         # untimed steps each system ran before the first round, until its heap stopped growing (every rank alike)
