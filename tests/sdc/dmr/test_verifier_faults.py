@@ -41,11 +41,10 @@ class _OnTheWorker(Injector):
         return super()._on_op(func, out, args, kwargs)
 
 
-def _run(batches, faults: list[Fault], injector: type[Injector] = Injector, window_s: float | None = None):
+def _run(batches, faults: list[Fault], injector: type[Injector] = Injector, window_s: float = 0.1):
     t = trainer(batches)
     inj = injector(faults, seed=5).attach(t)
-    eng = windowed(t, "thread") if window_s is None else \
-        windowed(t, "thread", transfer=lambda: (lambda: time.sleep(window_s)))
+    eng = windowed(t, "thread", transfer=lambda: (lambda: time.sleep(window_s)))
     for _ in range(3):
         t.train_step()
     return t, eng, inj

@@ -91,26 +91,27 @@ def _mean_over_ranks(x: float) -> float:
     return float(t) / dist.get_world_size()
 
 
-def _page_faults() -> int:
-    """The process's minor page faults so far (first touches of memory; 0 where the platform does not count them)."""
+def _rusage(who: str) -> Any:
+    """``resource.getrusage(RUSAGE_<who>)`` (``SELF``, ``THREAD``), or None where the platform has none."""
     try:
         import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    except (ImportError, OSError):
-        return 0
+        return resource.getrusage(getattr(resource, f"RUSAGE_{who}"))
+    except (ImportError, AttributeError, OSError):
+        return None
+
+
+def _page_faults() -> int:
+    """The process's minor page faults so far (first touches of memory; 0 where the platform does not count them)."""
+    r = _rusage("SELF")
+    return r.ru_minflt if r is not None else 0
 
 
 def _thread_usage() -> tuple[float, int, int]:
     """The calling thread's system CPU time, minor page faults and involuntary context switches so far (Linux's
     ``RUSAGE_THREAD``; zeros where the platform has none)."""
-    try:
-        import resource
-
-        r = resource.getrusage(resource.RUSAGE_THREAD)
-    except (ImportError, AttributeError, OSError):
-        return 0.0, 0, 0
-    return r.ru_stime, r.ru_minflt, r.ru_nivcsw
+    r = _rusage("THREAD")
+    return (r.ru_stime, r.ru_minflt, r.ru_nivcsw) if r is not None else (0.0, 0, 0)
 
 
 class _Probe:
@@ -213,7 +214,8 @@ def _timed_steps(trainer, n: int, engine=None, where: dict | None = None) -> tup
     w0 = getattr(sched, "wait_s", 0.0)
     times = []
     for _ in range(n):
-        t0, c0, u0 = time.perf_counter(), time.thread_time(), _thread_usage()
+        u0 = _thread_usage()  # (before the step's clocks start: not timed)
+        t0, c0 = time.perf_counter(), time.thread_time()
         trainer.train_step()
         times.append(time.perf_counter() - t0)
         if where is not None:  # the main thread's own CPU time: what the engine adds to the critical path
