@@ -17,6 +17,7 @@ import torch
 
 from trainguard.config import load_config
 from trainguard.faults.failstop import FailStop, KillPoint
+from trainguard.train.launch import exit_rank
 from trainguard.train.parallel.torchft_group import quiet_torchft_logs
 from trainguard.train.trainer import Trainer
 
@@ -93,3 +94,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # as `python -m trainguard` ends an elastic replica: without Python's finalization, in which gloo's teardown
+    # can abort a process that has finished its work (exit -6, "terminate called without an active exception")
+    exit_rank(0)

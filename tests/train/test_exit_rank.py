@@ -42,3 +42,30 @@ def test_a_rank_that_leaves_with_exit_rank_does_not_abort_in_gloos_teardown_and_
             break
     assert control.returncode != 0 and "terminate called" in control.stderr, (
         "the pinned torch no longer aborts here: exit_rank's workaround may go", control.returncode, control.stderr[-500:])
+
+
+MAIN = """
+import atexit, runpy, sys
+atexit.register(lambda: print("finalized", flush=True))  # runs in Python's finalization, never after os._exit
+if sys.argv[1] == "group":  # an elastic replica's torchft group, made outside any launcher
+    from trainguard.train.config import ElasticConfig
+    from trainguard.train.parallel.torchft_group import ElasticGroup, start_lighthouse
+    lh = start_lighthouse()
+    ElasticGroup(0, 1, ElasticConfig(lighthouse=lh.address())).shutdown()
+    lh.shutdown()
+sys.argv = ["trainguard", "plot", "/nonexistent/run"]  # a command that returns through main (exit 2, one line)
+runpy.run_module("trainguard", run_name="__main__")
+"""
+
+
+def test_python_m_trainguard_skips_finalization_in_a_process_that_made_a_process_group_and_only_there():
+    """An elastic replica started by hand (no launcher) holds torchft's gloo group: CI saw one finish its run and
+    then abort (-6) in finalization, so ``python -m trainguard`` leaves it through exit_rank, with main's exit
+    code; any other process finalizes as usual."""
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    runs = {how: subprocess.run([sys.executable, "-c", MAIN, how], capture_output=True, text=True, timeout=120,
+                                cwd=ROOT, env=env) for how in ("group", "plain")}
+    for how, run in runs.items():
+        assert run.returncode == 2 and "run folder not found" in run.stderr, (how, run.returncode, run.stderr[-1000:])
+    assert "finalized" not in runs["group"].stdout
+    assert "finalized" in runs["plain"].stdout

@@ -59,6 +59,23 @@ def exit_rank(code: int) -> NoReturn:
     os._exit(code)
 
 
+_holds_process_group = False
+
+
+def note_process_group() -> None:
+    """Record that this process made a process group outside any launcher (an elastic replica's torchft group):
+    gloo's teardown can abort its finalization as it does a launched rank's, so it too ends with
+    :func:`exit_rank` (see :func:`skip_finalization`)."""
+    global _holds_process_group
+    _holds_process_group = True
+
+
+def skip_finalization() -> bool:
+    """Whether ``python -m trainguard`` should leave through :func:`exit_rank`: a rank under a launcher, or a
+    process that made a process group of its own (an elastic replica started by hand or by a script)."""
+    return under_launcher() or _holds_process_group
+
+
 def needs_launch(cfg) -> bool:
     return cfg.distributed.world_size() > 1 and not under_launcher()
 

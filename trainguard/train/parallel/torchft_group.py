@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from trainguard.errors import TrainguardError
 from trainguard.train.config import ElasticConfig
+from trainguard.train.launch import note_process_group
 from trainguard.train.parallel.torchft_compat import force_reconfigure
 
 
@@ -84,6 +85,7 @@ class ElasticGroup:
             raise TrainguardError(f"elastic: replica id {replica_id} is out of range 0..{replicas - 1}")
         self.replica_id, self.replicas = replica_id, replicas
         self.device = torch.device(device)
+        note_process_group()  # its gloo group can abort this process's finalization: leave with exit_rank
         timeout = timedelta(seconds=cfg.timeout_s)
         # each replica group has its own store (its ranks meet there; here a group is one process)
         self._store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
