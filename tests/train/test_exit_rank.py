@@ -69,3 +69,10 @@ def test_python_m_trainguard_skips_finalization_in_a_process_that_made_a_process
         assert run.returncode == 2 and "run folder not found" in run.stderr, (how, run.returncode, run.stderr[-1000:])
     assert "finalized" not in runs["group"].stdout
     assert "finalized" in runs["plain"].stdout
+    # the console script is the same entry point as python -m trainguard
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["trainguard"] == "trainguard.cli.main:entry"
+    assert (ROOT / "trainguard" / "__main__.py").read_text().split() == ["from", "trainguard.cli.main", "import",
+                                                                         "entry", "entry()"]

@@ -85,5 +85,16 @@ def _worker_report(kind: str, text: str, exit_code: int, step: int | None = None
     return report_from_child(kind, text, exit_code, step)
 
 
+def entry() -> None:
+    """The ``trainguard`` console script and ``python -m trainguard``: run :func:`main` and exit with its code, a
+    rank of a multi-process run or an elastic replica without Python's finalization (``launch.exit_rank``)."""
+    from trainguard.train.launch import exit_rank, skip_finalization
+
+    code = main()
+    if skip_finalization():  # gloo's teardown can abort a finished process there
+        exit_rank(code)
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()
