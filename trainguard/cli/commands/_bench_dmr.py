@@ -61,6 +61,11 @@ def register_bench(subparsers) -> None:
     p.add_argument("--gc", choices=("step", "python"), default="step",
                    help="[train] gc for every system: step (default: no automatic collection in the middle of a step) "
                         "or python")
+    p.add_argument("--op-times", action="store_true",
+                   help="also time every op the dispatch mode executes in the timed steps (SpareTrain's and Naive-Only's "
+                        "primary executions, the floor's ops): thread CPU a step by op (op_cpu_s per rank and system, "
+                        "ops_slower_than_naive). Two clock reads an op more in those systems: their throughput here is "
+                        "not the headline's")
     add_json_flag(p)
     p.set_defaults(handler=run)
 
@@ -96,7 +101,7 @@ def _spec(args) -> dict:
             "steps": args.steps, "warmup": args.warmup, "switch_warmup": args.switch_warmup,
             "system_warmup": args.system_warmup,
             "memory_budget_mb": args.memory_budget_mb, "hold_idle": args.hold_idle, "carry_budget": args.carry_budget,
-            "profile_steps": args.profile_steps}
+            "profile_steps": args.profile_steps, "op_times": args.op_times}
 
 
 def tokens_per_microbatch(spec: dict, args) -> int:
@@ -126,10 +131,16 @@ def run(args) -> int:
                microbatches=spec["microbatches"], tokens_per_microbatch=tokens_per_microbatch(spec, args),
                idle_fraction_target=args.idle_fraction,
                host_memory=args.host_memory, gc=args.gc, carry_budget=args.carry_budget,
-               profile_steps=args.profile_steps)
+               profile_steps=args.profile_steps, op_times=args.op_times)
     rows = {k: v for k, v in res.items() if not isinstance(v, (dict, list))}
     out.print(table("bench dmr (side by side; " + ("emulated link" if res["idle_fraction_emulated"] else "loopback link")
                     + ")", rows))
+    for r, diffs in enumerate(res.get("ops_slower_than_naive", [])):
+        out.print(table(f"stage {r}: ops slower under SpareTrain than under Naive-Only (CPU a step)",
+                        [(d["op"], f"{d['sparetrain_s'] * 1e3:.1f} ms", f"{d['naive_s'] * 1e3:.1f} ms",
+                          f"{d['difference_s'] * 1e3:+.1f} ms", f"{d['sparetrain_calls']:g} / {d['naive_calls']:g}")
+                         for d in diffs],
+                        columns=("op", "SpareTrain", "Naive-Only", "difference", "calls")))
     if args.json:
         emit_json(res)
     return 0

@@ -38,6 +38,13 @@ measured side by side: every op passes through a Python dispatch mode that check
 ``floor_overhead_vs_no_dmr`` is what any verifier built on a Python ``TorchDispatchMode`` costs at least, and
 ``gain_ceiling_python_mode`` the most such a verifier could gain over Naive-Only in this run.
 
+``op_times`` (``--op-times``) also times every op a dispatch mode executes in the timed steps: SpareTrain's and
+Naive-Only's primary executions and the floor's ops (No-DMR has no mode). Per rank and system ``op_cpu_s`` gives each
+op's thread CPU time and calls a step, keyed "<op> forward" or "<op> in backward" (a recompute runs in the backward),
+and ``ops_slower_than_naive`` the ops where SpareTrain's executions cost more than Naive-Only's first ones, the same
+ops: what holding tensors for the windows costs the ops themselves (``docs/dmr-measurements.md``, "A faster host").
+The timing adds two clock reads an op to those systems, so their throughput in such a run is not the headline's.
+
 Run inside each process by ``python -m trainguard.sdc.dmr.bench OUT CONFIG.json`` (torchrun for pipelines).
 Relies on torch (distributed), the Trainer and the DMR engine.
 """
@@ -58,6 +65,7 @@ import torch.distributed as dist
 from trainguard.sdc.dmr import ops as dops
 from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import PassThroughMode, attach
+from trainguard.sdc.dmr.engine.common import time_ops
 from trainguard.sdc.dmr.planner import plan_static
 from trainguard.train import Trainer, TrainerConfig
 from trainguard.train.host_memory import HeapPeak, rss_bytes
@@ -327,7 +335,16 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
                 # untimed: a switch drops the engine's copies of the state (the held update copies it again at
                 # its first step, which a training run does once, not once per round)
                 trainer.train_step()
-            t, idle = _timed_steps(trainer, steps, engine, per[s]["where"])
+            ops = {} if spec.get("op_times") else None
+            time_ops(ops)  # (--op-times: every op the mode executes in the timed steps, by op)
+            try:
+                t, idle = _timed_steps(trainer, steps, engine, per[s]["where"])
+            finally:
+                time_ops(None)
+            for k, (cpu, calls) in (ops or {}).items():
+                acc = per[s].setdefault("op_times", {}).setdefault(k, [0.0, 0])
+                acc[0] += cpu / (rounds * steps)
+                acc[1] += calls / (rounds * steps)
             if s == FLOOR and _FLOOR.mode is not None:
                 per[s]["mode_ops"] = _FLOOR.mode.ops  # (the last timed step's)
             per[s]["times"] += t
@@ -364,6 +381,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
                         "idle_fraction": statistics.median(v["idle"]), "peak_rss_bytes": max(v["rss"]),
                         "peak_heap_bytes": heap[s], "step_s_by_round": v["by_round"],
                         **({"ops_through_mode": v["mode_ops"]} if "mode_ops" in v else {}),
+                        **(_op_report(v["op_times"]) if "op_times" in v else {}),
                         **{(k if k.startswith("main_") else f"checker_{k}"): statistics.median(x)
                            for k, x in v["where"].items()}}
                     for s, v in per.items()},
@@ -375,6 +393,25 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     }
     trainer.close()
     return out
+
+
+def _op_report(times: dict[str, list]) -> dict[str, Any]:
+    """``--op-times``' figures of one system on one rank, a step: each op's thread CPU time and calls, the most
+    costly first, and their total."""
+    order = sorted(times.items(), key=lambda kv: -kv[1][0])
+    return {"op_cpu_s": {k: {"cpu_s": cpu, "calls": calls} for k, (cpu, calls) in order},
+            "op_cpu_s_total": sum(cpu for cpu, _ in times.values())}
+
+
+def op_differences(rank: dict[str, Any], slow: str = "sparetrain", fast: str = "naive", top: int = 10) -> list[dict]:
+    """Where one rank's ``slow`` system spends more CPU in its ops than ``fast`` does in the same ops (``--op-times``):
+    the ``top`` ops by the difference a step, each with both systems' time and calls."""
+    a, b = (rank["systems"].get(x, {}).get("op_cpu_s", {}) for x in (slow, fast))
+    zero = {"cpu_s": 0.0, "calls": 0}
+    rows = [{"op": k, f"{slow}_s": a.get(k, zero)["cpu_s"], f"{fast}_s": b.get(k, zero)["cpu_s"],
+             f"{slow}_calls": a.get(k, zero)["calls"], f"{fast}_calls": b.get(k, zero)["calls"],
+             "difference_s": a.get(k, zero)["cpu_s"] - b.get(k, zero)["cpu_s"]} for k in set(a) | set(b)]
+    return sorted(rows, key=lambda r: -r["difference_s"])[:top]
 
 
 def merge(ranks: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
@@ -422,6 +459,10 @@ def merge(ranks: list[dict[str, Any]], systems: list[str]) -> dict[str, Any]:
             out["floor_overhead_vs_no_dmr"] = tps["none"] / tps[FLOOR] - 1
         if "naive" in tps:  # the most any engine built on a Python dispatch mode can gain over Naive-Only here
             out["gain_ceiling_python_mode"] = tps[FLOOR] / tps["naive"] - 1
+    if any("op_cpu_s_total" in v for v in r0.values()):  # (--op-times)
+        out["op_cpu_s_total"] = {s: [r["systems"][s].get("op_cpu_s_total") for r in ranks] for s in systems}
+        if "naive" in systems and "sparetrain" in systems:
+            out["ops_slower_than_naive"] = [op_differences(r) for r in ranks]
     out.update(paired_by_round(r0))
     return out
 

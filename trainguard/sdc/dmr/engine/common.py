@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,14 +168,40 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
                                                                t.stride())
 
 
+# ``bench dmr --op-times``: each op's executions in a dispatch mode (the engine's primaries, the floor's ops), their
+# thread CPU time and calls, keyed "<op> forward" or "<op> in backward" (a recompute runs inside the backward), as
+# [seconds, calls]. None (the default): nothing is timed, and the hot path reads this one global more per op.
+OP_TIMES: dict[str, list] | None = None
+
+
+def time_ops(table: dict[str, list] | None) -> None:
+    """Tally every op executed in a dispatch mode into ``table`` from now on (None: stop)."""
+    global OP_TIMES
+    OP_TIMES = table
+
+
+def _timed(table: dict[str, list], call: Callable, name: str, args: tuple, kwargs: dict) -> Any:
+    c0 = time.thread_time()
+    out = call(*args, **kwargs)
+    dt = time.thread_time() - c0
+    key = f"{name} in backward" if torch._C._current_graph_task_id() != -1 else f"{name} forward"
+    entry = table.get(key)
+    if entry is None:
+        entry = table[key] = [0.0, 0]
+    entry[0] += dt
+    entry[1] += 1
+    return out
+
+
 def _primary(func, args, kwargs, inf: dops.OpInfo | None = None):
     """The op's primary execution: an op of the step as far as the fault injector is concerned. ``inf``: the op's
     :func:`~trainguard.sdc.dmr.ops.info`, where the caller has it."""
     inf = inf if inf is not None else dops.info(func)
     before = _INJECTOR_FLAG.active
     _INJECTOR_FLAG.active = False
+    table = OP_TIMES
     try:
-        out = inf.call(*args, **kwargs)
+        out = inf.call(*args, **kwargs) if table is None else _timed(table, inf.call, inf.name, args, kwargs)
     finally:
         _INJECTOR_FLAG.active = before
     if inf.unset:

@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainguard.sdc.dmr import ops as dops
+from trainguard.sdc.dmr.engine import common as _common
+
 if TYPE_CHECKING:
     from trainguard.sdc.dmr.engine.core import DMREngine
 
@@ -34,7 +37,10 @@ class PassThroughMode(_UnwrappedMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
-        return func._op(*args, **(kwargs or {}))  # (the C++ entry point, as the engine's primaries call it)
+        table = _common.OP_TIMES
+        if table is None:
+            return func._op(*args, **(kwargs or {}))  # (the C++ entry point, as the engine's primaries call it)
+        return _common._timed(table, func._op, dops.info(func).name, args, kwargs or {})  # (bench dmr --op-times)
 
 
 class _DMRMode(_UnwrappedMode):
