@@ -76,3 +76,36 @@ def test_python_m_trainguard_skips_finalization_in_a_process_that_made_a_process
     assert scripts["trainguard"] == "trainguard.cli.main:entry"
     assert (ROOT / "trainguard" / "__main__.py").read_text().split() == ["from", "trainguard.cli.main", "import",
                                                                          "entry", "entry()"]
+
+
+BUG = """
+import atexit, runpy, sys
+atexit.register(lambda: print("finalized", flush=True))
+if sys.argv[1] == "group":
+    from trainguard.train.config import ElasticConfig
+    from trainguard.train.parallel.torchft_group import ElasticGroup, start_lighthouse
+    lh = start_lighthouse()
+    ElasticGroup(0, 1, ElasticConfig(lighthouse=lh.address())).shutdown()
+    lh.shutdown()
+import trainguard.cli.main as cli
+def broken(argv=None):
+    raise {error}
+cli.main = broken  # a bug in a command, past main's own handlers
+runpy.run_module("trainguard", run_name="__main__")
+"""
+
+
+def test_a_bug_in_an_elastic_replica_still_exits_with_its_traceback_and_code_without_finalization():
+    """An exception main does not handle, or a ``sys.exit`` from a command, in a process that must skip
+    finalization: the traceback (or message) and the code Python would give, and still no finalization (an abort
+    there would replace exit 1 by -6); elsewhere Python's own handling, finalization included."""
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    for error, code, shown in (("ZeroDivisionError('a bug')", 1, "ZeroDivisionError: a bug"),
+                               ("SystemExit(5)", 5, None), ("SystemExit('gave up')", 1, "gave up")):
+        for how in ("group", "plain"):
+            run = subprocess.run([sys.executable, "-c", BUG.format(error=error), how], capture_output=True, text=True,
+                                 timeout=120, cwd=ROOT, env=env)
+            assert run.returncode == code, (error, how, run.returncode, run.stderr[-1000:])
+            if shown:
+                assert shown in run.stderr, (error, how, run.stderr[-1000:])
+            assert ("finalized" in run.stdout) == (how == "plain"), (error, how, run.stdout)

@@ -90,10 +90,30 @@ def entry() -> None:
     rank of a multi-process run or an elastic replica without Python's finalization (``launch.exit_rank``)."""
     from trainguard.train.launch import exit_rank, skip_finalization
 
-    code = main()
+    try:
+        code = main()
+    except BaseException as err:  # (re-raised unless the process must skip finalization)
+        if not skip_finalization():
+            raise
+        # a bug (or sys.exit) in a rank or an elastic replica: its traceback and a failing exit code, and still no
+        # finalization, or gloo's teardown could turn exit 1 into an abort (-6) and hide the traceback's cause
+        code = _exit_code_of(err)
     if skip_finalization():  # gloo's teardown can abort a finished process there
         exit_rank(code)
     raise SystemExit(code)
+
+
+def _exit_code_of(err: BaseException) -> int:
+    """The exit code Python itself would give ``err`` left uncaught (printing what it would print)."""
+    if isinstance(err, SystemExit):
+        if err.code is None or isinstance(err.code, int):
+            return err.code or 0
+        sys.stderr.write(f"{err.code}\n")
+        return 1
+    import traceback
+
+    traceback.print_exception(err)
+    return 130 if isinstance(err, KeyboardInterrupt) else 1
 
 
 if __name__ == "__main__":
