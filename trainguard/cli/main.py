@@ -104,7 +104,8 @@ def entry() -> None:
 
 
 def _exit_code_of(err: BaseException) -> int:
-    """The exit code Python itself would give ``err`` left uncaught (printing what it would print)."""
+    """The exit code for ``err`` left uncaught, printing what Python would print: a ``SystemExit``'s own code (or
+    1 with its message), 1 for an exception, 130 for an interrupt (as :func:`main` returns for one)."""
     if isinstance(err, SystemExit):
         if err.code is None or isinstance(err.code, int):
             return err.code or 0

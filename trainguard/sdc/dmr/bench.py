@@ -408,9 +408,11 @@ def op_differences(rank: dict[str, Any], slow: str = "sparetrain", fast: str = "
     the ``top`` ops by the difference a step, each with both systems' time and calls."""
     a, b = (rank["systems"].get(x, {}).get("op_cpu_s", {}) for x in (slow, fast))
     zero = {"cpu_s": 0.0, "calls": 0}
-    rows = [{"op": k, f"{slow}_s": a.get(k, zero)["cpu_s"], f"{fast}_s": b.get(k, zero)["cpu_s"],
-             f"{slow}_calls": a.get(k, zero)["calls"], f"{fast}_calls": b.get(k, zero)["calls"],
-             "difference_s": a.get(k, zero)["cpu_s"] - b.get(k, zero)["cpu_s"]} for k in set(a) | set(b)]
+    rows = []
+    for k in set(a) | set(b):
+        x, y = a.get(k, zero), b.get(k, zero)
+        rows.append({"op": k, f"{slow}_s": x["cpu_s"], f"{fast}_s": y["cpu_s"], f"{slow}_calls": x["calls"],
+                     f"{fast}_calls": y["calls"], "difference_s": x["cpu_s"] - y["cpu_s"]})
     return sorted(rows, key=lambda r: -r["difference_s"])[:top]
 
 
