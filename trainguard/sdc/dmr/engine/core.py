@@ -287,6 +287,23 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks, 
         with _DMRMode(self), views:
             yield
         self.drain()
+        self._release_attempt()
+
+    def _release_attempt(self) -> None:
+        """Drop the tables only the attempt's own ops read (their storages, autograd owners, constants, gradients,
+        AGC tapes, and the registrations by storage of checks already run), as soon as the attempt's last op has run
+        and its checks are drained, instead of at the next attempt's start (``_reset_attempt``, which still resets
+        them). The trainer collects Python's young generation after every step (``[train] gc = "step"``), and
+        everything of them still alive then was scanned: 23,000-31,000 objects a ``llama-60m`` pipeline stage, 5-28 ms
+        of the main thread's CPU a step, against 0.1 ms without DMR. What checks carried into the next iteration
+        keep (their inputs, their fingerprints) stays registered, as ``_reset_attempt`` keeps it."""
+        self._produced, self._seq_owner, self._const, self._grads = {}, {}, {}, {}
+        self._tapes = {k: t for k, t in self._tapes.items() if not t.replayed}
+        carried = {id(d.held) for d in self._carried if d.held is not None}
+        self._kept_by_storage = {k: kept for k, v in self._kept_by_storage.items()
+                                 if (kept := [e for e in v if id(e[0]) in carried])}
+        if not self._later_fifo:  # (the carried fingerprints are registered again when the next attempt starts)
+            self._later_by_storage = {}
 
     # ---- where an op is ----------------------------------------------------------------------------
     def phase(self) -> str:
