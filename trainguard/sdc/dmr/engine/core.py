@@ -263,9 +263,7 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks, 
                     self._later_by_storage.setdefault(_storage_key(t), []).append(lz)
         # inputs queued checks keep by reference, by storage: copied before a collective is handed them (those of
         # checks carried from the previous iteration stay registered: the next transfer may reuse their buffer)
-        carried = {id(d.held) for d in getattr(self, "_carried", ()) if d.held is not None}
-        kept = {k: [e for e in v if id(e[0]) in carried] for k, v in getattr(self, "_kept_by_storage", {}).items()}
-        self._kept_by_storage: dict[int, list[tuple]] = {k: v for k, v in kept.items() if v}
+        self._kept_by_storage: dict[int, list[tuple]] = self._carried_registrations()
         if self.dynamic.queue:
             self.dynamic.queue.clear()
         self.dynamic.reset()
@@ -299,11 +297,15 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks, 
         keep (their inputs, their fingerprints) stays registered, as ``_reset_attempt`` keeps it."""
         self._produced, self._seq_owner, self._const, self._grads = {}, {}, {}, {}
         self._tapes = {k: t for k, t in self._tapes.items() if not t.replayed}
-        carried = {id(d.held) for d in self._carried if d.held is not None}
-        self._kept_by_storage = {k: kept for k, v in self._kept_by_storage.items()
-                                 if (kept := [e for e in v if id(e[0]) in carried])}
+        self._kept_by_storage = self._carried_registrations()
         if not self._later_fifo:  # (the carried fingerprints are registered again when the next attempt starts)
             self._later_by_storage = {}
+
+    def _carried_registrations(self) -> dict[int, list[tuple]]:
+        """``_kept_by_storage`` with only the inputs of checks carried into the next iteration."""
+        carried = {id(d.held) for d in getattr(self, "_carried", ()) if d.held is not None}
+        return {k: kept for k, v in getattr(self, "_kept_by_storage", {}).items()
+                if (kept := [e for e in v if id(e[0]) in carried])}
 
     # ---- where an op is ----------------------------------------------------------------------------
     def phase(self) -> str:
