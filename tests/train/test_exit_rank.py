@@ -1,47 +1,64 @@
 """A rank leaves with ``launch.exit_rank``: torch's gloo process group destroys a collective's work on its own
 thread, and one that releases a Python-owned tensor while the interpreter finalizes aborts the process
-("terminate called without an active exception"). The script below leaves an all-reduce's work to gloo's thread
-and keeps the GIL (a switch interval no thread waits out) until Python finalizes, so that thread takes it only
-then: the control shows the abort on the pinned torch on any host (once it no longer aborts, torch no longer needs
-the workaround) and exit_rank shows none. Racing the collective against the end of the script instead aborted on
-a slow host and not on a fast one (CI saw 0 aborts in 5 there)."""
+("terminate called without an active exception"). The script below makes that happen on any host: its all-reduce
+has a peer (a second process) that joins only after the script has dropped its references, so gloo's thread holds
+the last one, and the main thread then keeps the GIL (a switch interval no thread waits out, no blocking call)
+while the collective completes, so that thread can take the GIL only once Python finalizes. The control shows the
+abort on the pinned torch (once it no longer aborts, torch no longer needs the workaround) and exit_rank shows
+none. Two earlier controls raced the collective against the script instead, with one rank: a world of one
+completes at once, and on CI's fast host it completed before the script dropped its tensor, so nothing aborted
+(0 in 5); here, a 10 ms sleep before that ``del`` (a host that much faster) made the one-rank control exit 0
+in 5 runs of 5, and this one abort in 5 of 5."""
 
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+PEER = """
+import os, sys, torch, torch.distributed as dist
+store = dist.FileStore(sys.argv[1], 2)
+dist.init_process_group("gloo", store=store, rank=1, world_size=2)
+store.wait(["go"])
+dist.all_reduce(torch.ones(1000))  # completes rank 0's collective
+os._exit(0)  # (this rank's own teardown is not what the test shows)
+"""
 SCRIPT = """
-import sys, time
+import subprocess, sys, time
 import torch
 import torch.distributed as dist
 from trainguard.train.launch import exit_rank
 
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-print("results written")
-sys.setswitchinterval(1e6)  # from here the main thread keeps the GIL until it blocks (finalization, or a flush)
+how, path = sys.argv[1], sys.argv[2]
+subprocess.Popen([sys.executable, "-c", PEER, path])
+store = dist.FileStore(path, 2)
+dist.init_process_group("gloo", store=store, rank=0, world_size=2)
+print("results written", flush=True)
 x = torch.ones(1000)
 work = dist.all_reduce(x, async_op=True)
-del work, x  # gloo's thread now holds the last reference, and waits for the GIL to release it
+del work, x  # gloo's thread now holds the last reference: its collective cannot complete before the peer joins
+sys.setswitchinterval(1e6)  # from here the main thread keeps the GIL until it blocks (and nothing below blocks)
+store.set("go", "1")
 start = time.perf_counter()
-while time.perf_counter() - start < 0.05:  # (the collective completes meanwhile)
+while time.perf_counter() - start < 1.0:  # the collective completes meanwhile; gloo's thread waits for the GIL
     pass
-if sys.argv[1] == "exit_rank":
+if how == "exit_rank":
     exit_rank(0)
-"""
+""".replace("PEER", repr(PEER))
 
 
-def _run(how: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT, how], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+def _run(how: str, store: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT, how, str(store)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT,
+                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
 
 
-def test_a_rank_that_leaves_with_exit_rank_does_not_abort_in_gloos_teardown_and_keeps_its_output():
-    left = _run("exit_rank")
+def test_a_rank_that_leaves_with_exit_rank_does_not_abort_in_gloos_teardown_and_keeps_its_output(tmp_path):
+    left = _run("exit_rank", tmp_path / "left")
     assert left.returncode == 0, left.stderr[-2000:]
     assert left.stdout.strip() == "results written"  # (flushed before leaving)
     # the control: the same script finalizing as usual aborts (20 runs in 20 did, beside three busy processes)
-    control = _run("finalize")
+    control = _run("finalize", tmp_path / "control")
     assert control.returncode != 0 and "terminate called" in control.stderr, (
         "the pinned torch no longer aborts here: exit_rank's workaround may go", control.returncode, control.stderr[-500:])
     assert control.stdout.strip() == "results written"
