@@ -16,9 +16,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER = """
-import os, sys, torch, torch.distributed as dist
+import datetime, os, sys, torch, torch.distributed as dist
 store = dist.FileStore(sys.argv[1], 2)
 dist.init_process_group("gloo", store=store, rank=1, world_size=2)
+store.set_timeout(datetime.timedelta(seconds=60))  # (gives up if rank 0 fails before "go": no process left behind)
 store.wait(["go"])
 dist.all_reduce(torch.ones(1000))  # completes rank 0's collective
 os._exit(0)  # (this rank's own teardown is not what the test shows)
@@ -29,8 +30,8 @@ import torch
 import torch.distributed as dist
 from trainguard.train.launch import exit_rank
 
-how, path = sys.argv[1], sys.argv[2]
-subprocess.Popen([sys.executable, "-c", PEER, path])
+how, path, peer = sys.argv[1:4]
+subprocess.Popen([sys.executable, "-c", peer, path])
 store = dist.FileStore(path, 2)
 dist.init_process_group("gloo", store=store, rank=0, world_size=2)
 print("results written", flush=True)
@@ -44,11 +45,11 @@ while time.perf_counter() - start < 1.0:  # the collective completes meanwhile; 
     pass
 if how == "exit_rank":
     exit_rank(0)
-""".replace("PEER", repr(PEER))
+"""
 
 
 def _run(how: str, store: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT, how, str(store)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", SCRIPT, how, str(store), PEER], capture_output=True, text=True,
                           timeout=120, cwd=ROOT,
                           env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
 
