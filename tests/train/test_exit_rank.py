@@ -34,7 +34,7 @@ how, path, peer = sys.argv[1:4]
 subprocess.Popen([sys.executable, "-c", peer, path])
 store = dist.FileStore(path, 2)
 dist.init_process_group("gloo", store=store, rank=0, world_size=2)
-print("results written", flush=True)
+print("results written")
 x = torch.ones(1000)
 work = dist.all_reduce(x, async_op=True)
 del work, x  # gloo's thread now holds the last reference: its collective cannot complete before the peer joins
