@@ -59,6 +59,11 @@ def test_optimizer_op_fault_reaches_params_only_through_the_update(batches):
     assert rec.phase == "optimizer"
     assert rec.target.startswith("aten._fused_adamw")  # (the update's own op: the norm before it is optimizer too)
     assert math.isfinite(r.loss) and math.isfinite(r.grad_norm)
+    # the INF landed in a tensor the in-place update wrote (a parameter or one of its moments), not in a copy
+    written = [*t.model.parameters(), *(v for s in t.optimizer.state.values() for v in s.values()
+                                        if torch.is_tensor(v) and v.is_floating_point())]
+    assert nonfinite(written)
+    assert sum(int((~torch.isfinite(x)).sum()) for x in written) == 1  # exactly the one struck element
 
 
 def test_gradient_clipping_is_in_the_optimizer_phase(batches):

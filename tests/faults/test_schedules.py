@@ -25,8 +25,12 @@ def test_presets_and_times():
     assert np.all(np.diff(times) > 0) and times.max() < 500 and abs(len(times) - 500) < 80
     events = FailureSchedule.preset("mid", seed=3).events(8, 50.0)
     assert all(0 <= n < 8 for _, n in events)
-    steps = FailureSchedule.preset("high", seed=3).to_steps(8, 10.0, step_time_s=60.0)
-    assert sum(len(v) for v in steps.values()) == len(FailureSchedule.preset("high", seed=3).times(10.0))
+    high = FailureSchedule.preset("high", seed=3)
+    steps = high.to_steps(8, 10.0, step_time_s=60.0)
+    events = high.events(8, 10.0)
+    assert sum(len(v) for v in steps.values()) == len(events) == len(high.times(10.0)) > 10
+    for step, nodes in steps.items():  # each failure in the one-minute step its time falls in, with its node
+        assert nodes == [n for t, n in events if step * 60.0 <= t * 3600.0 < (step + 1) * 60.0], step
 
 
 def test_bad_schedules_refused():

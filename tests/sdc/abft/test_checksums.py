@@ -163,3 +163,17 @@ def test_recomputation_that_fails_verification_escalates():
 
     out = cks.resolve(cks.detect(c, a, b, rerun=faulty_rerun))
     assert out.kind == "escalated" and out.reason == "recomputation failed verification"
+
+
+def test_an_error_the_recomputation_reproduces_bit_for_bit_is_escalated_not_taken_for_roundoff():
+    """A rerun equal bit for bit to the flagged product is a false alarm only if the product is within the
+    worst-case roundoff bound; a persistent fault (a stuck unit computing the same wrong block again) is not,
+    and must reach the step guard instead of being kept as if it were roundoff."""
+    a, b, _, c = _gemm((1, 16, 8), (8, 16), torch.float32)
+    ref = c.clone()
+    c[0, 2:6, 3:7] += 5.0  # 2D: EEC-ABFT cannot correct it, so the slow path recomputes
+    stuck = c.clone()
+    out = cks.resolve(cks.detect(c, a, b, rerun=lambda: stuck.clone()))
+    assert out.kind == "escalated" and out.reason == "recomputation reproduces an error beyond the roundoff bound"
+    assert not out.recomputed and torch.equal(c, stuck)  # left for the step's re-execution, not "fixed"
+    assert not torch.allclose(c, ref, atol=1.0)
