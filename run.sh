@@ -28,6 +28,7 @@ setup() {
     # every dependency at the version the suite passed with (constraints.txt); torch is already in place
     "${pip[@]}" -c constraints.txt -e ".[dev]"
     setup_simgrid || echo "[run.sh] SimGrid not available: the time-to-train simulation uses its built-in event loop" >&2
+    setup_tcmalloc || echo "[run.sh] tcmalloc not installed: the test of host memory under a preloaded allocator skips" >&2
     touch "$stamp"
 }
 
@@ -49,6 +50,16 @@ setup_simgrid() {
     site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     echo "$(cd "$dir" && pwd)" > "$site/trainguard-simgrid.pth"
     "$VENV/bin/python" -c "import simgrid" 2>/dev/null
+}
+
+# A malloc to preload (LD_PRELOAD), for the test that host_memory neither tunes nor measures glibc's heap when
+# another allocator serves the process. Best effort, as root only; nothing preloads it by default.
+setup_tcmalloc() {
+    ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && return 0
+    [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null || return 1
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
+        || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1; }
 }
 
 setup

@@ -128,3 +128,33 @@ def test_rss_bytes_sees_memory_the_process_touches():
     before, after, n = map(int, subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                                                check=True).stdout.split())
     assert n == 64 << 20 and before > 0 and after - before >= 48 << 20, (before, after)
+
+
+def _preloadable_allocator() -> str | None:
+    import glob
+    for pattern in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libjemalloc.so.2"):
+        for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"):
+            hits = glob.glob(f"{d}/{pattern}")
+            if hits:
+                return hits[0]
+    return None
+
+
+@linux_glibc
+def test_a_preloaded_allocator_is_neither_tuned_nor_measured_through_glibc():
+    # Under LD_PRELOAD of tcmalloc / jemalloc, glibc's mallopt tunes an allocator nothing uses and mallinfo2 reads
+    # a nearly empty heap: the bench reported 0 bytes of peak memory per system. Both must say they do not apply.
+    lib = _preloadable_allocator()
+    if lib is None:
+        pytest.skip("no tcmalloc or jemalloc installed to preload (run.sh setup installs libtcmalloc-minimal4)")
+    probe = ("import torch\n"
+             "from trainguard.train import host_memory as hm\n"
+             "t = torch.ones(16 * 2**20 // 4)\n"
+             "print(hm.retain_freed_memory(), hm.host_memory_mode(), hm.heap_in_use_bytes())\n")
+    import os
+    env = dict(os.environ, LD_PRELOAD=lib)
+    preloaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
+    assert preloaded.stdout.split() == ["False", "default", "None"], preloaded.stdout
+    # the control: glibc's own malloc is tuned and measured (the 16 MiB tensor is in the heap it reads)
+    plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert plain[:2] == ["True", "retain"] and int(plain[2]) >= 16 * 2**20, plain

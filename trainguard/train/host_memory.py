@@ -20,11 +20,12 @@ on llama-60m; a few hundred at most once every thread shares the main heap). The
 threads' allocations, taken by few threads at once here. The limit only holds for threads that first
 allocate after it (the trainer applies it before the process group starts its threads): an arena made before
 stays in use. Process-wide and not reversible for memory already allocated; a no-op (returning False) where
-the C library is not glibc.
+the C library is not glibc or another allocator is preloaded (that one then decides what is retained).
 
 :func:`heap_in_use_bytes` and :class:`HeapPeak` measure what the process holds allocated (glibc's
 ``mallinfo2``: heap and mmapped chunks in use, every arena), which the resident size no longer tells once
-freed memory is retained. Relies on ``ctypes``, ``functools`` and ``threading`` only.
+freed memory is retained; None under a preloaded allocator (the caller then falls back to the resident size).
+Relies on ``ctypes``, ``functools`` and ``threading`` only.
 """
 
 from __future__ import annotations
@@ -50,9 +51,22 @@ def _glibc():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.gnu_get_libc_version  # noqa: B018 -- raises AttributeError on musl and other C libraries
-        return libc
     except (OSError, AttributeError):
         return None
+    return libc if _malloc_is_glibcs(libc) else None
+
+
+def _malloc_is_glibcs(libc) -> bool:
+    """Whether the process's ``malloc`` is glibc's own, not one a preload interposes (``LD_PRELOAD`` of jemalloc or
+    tcmalloc): glibc's ``mallopt`` and ``mallinfo2`` then describe an allocator nothing uses, so the setting would
+    be reported in force and the heap read as nearly empty. The global scope's ``malloc`` (``dlopen(NULL)``, where
+    a preload comes first) against the one in libc itself."""
+    try:
+        process = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value
+        own = ctypes.cast(libc.malloc, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return False
+    return process == own
 
 
 def retain_freed_memory() -> bool:
