@@ -55,7 +55,7 @@ setup_simgrid() {
 # A malloc to preload (LD_PRELOAD), for the test that host_memory neither tunes nor measures glibc's heap when
 # another allocator serves the process. Best effort, as root only; nothing preloads it by default.
 setup_tcmalloc() {
-    ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && return 0
+    ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 && return 0
     [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null || return 1
     export DEBIAN_FRONTEND=noninteractive
     apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \

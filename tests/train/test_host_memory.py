@@ -3,6 +3,8 @@
 Each case runs in a fresh interpreter: the setting is process-wide and must not leak into the test process.
 """
 
+import ctypes.util
+import os
 import platform
 import subprocess
 import sys
@@ -131,13 +133,8 @@ def test_rss_bytes_sees_memory_the_process_touches():
 
 
 def _preloadable_allocator() -> str | None:
-    import glob
-    for pattern in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libjemalloc.so.2"):
-        for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"):
-            hits = glob.glob(f"{d}/{pattern}")
-            if hits:
-                return hits[0]
-    return None
+    """The soname of an installed malloc that LD_PRELOAD can interpose (the loader finds it as ldconfig does)."""
+    return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("jemalloc")
 
 
 @linux_glibc
@@ -151,7 +148,6 @@ def test_a_preloaded_allocator_is_neither_tuned_nor_measured_through_glibc():
              "from trainguard.train import host_memory as hm\n"
              "t = torch.ones(16 * 2**20 // 4)\n"
              "print(hm.retain_freed_memory(), hm.host_memory_mode(), hm.heap_in_use_bytes())\n")
-    import os
     env = dict(os.environ, LD_PRELOAD=lib)
     preloaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
     assert preloaded.stdout.split() == ["False", "default", "None"], preloaded.stdout
