@@ -62,7 +62,8 @@ def test_a_rank_that_leaves_with_exit_rank_does_not_abort_in_gloos_teardown_and_
     control = _run("finalize", tmp_path / "control")
     assert control.returncode != 0 and "terminate called" in control.stderr, (
         "the pinned torch no longer aborts here: exit_rank's workaround may go", control.returncode, control.stderr[-500:])
-    assert control.stdout.strip() == "results written"
+    # (whether the control's buffered stdout was flushed before its abort is a race, CI once saw it lost; and no
+    # marker can be written after the busy loop without releasing the GIL, which lets gloo's thread finish first)
 
 
 MAIN = """
