@@ -143,13 +143,31 @@ def test_non_finite_input_escalates_without_recomputing():
     assert out.kind == "escalated" and out.reason == "non-finite input" and not out.recomputed
 
 
-def test_roundoff_flag_is_a_false_alarm_confirmed_by_an_identical_recomputation():
+def test_a_flag_on_a_product_that_verifies_is_a_checksum_error_and_changes_nothing():
     a, b, _, c = _gemm((1, 32, 16), (16, 8), torch.float32)
     chk = cks.detect(c, a, b, rerun=lambda: torch.matmul(a, b))
-    chk.flag[0, 0, 3] = True  # as if roundoff had crossed the threshold
+    chk.flag[0, 0, 3] = True  # as if the fast path's own checksum had been struck
     before = c.clone()
     out = cks.resolve(chk)
-    assert out.kind in ("corrected", "false_alarm") and torch.equal(c, before)
+    assert out.kind == "corrected" and out.fixes == [] and out.checksum_errors == 1 and not out.recomputed
+    assert torch.equal(c, before)
+
+
+def test_roundoff_above_the_verification_tolerance_is_a_false_alarm_confirmed_by_an_identical_recomputation():
+    """A product off by more than the verification's tolerance but within the worst-case roundoff bound, which
+    the kernel reproduces bit for bit: roundoff, kept as it is (not corrected, not escalated). The offset is
+    placed between the two bounds as the module computes them for this product, spread over a 4 x 4 block so
+    that no single-error correction applies."""
+    a, b, _, c = _gemm((1, 32, 16), (16, 8), torch.float32)
+    ref = cks._reference(a.float(), b.float()[None], None, torch.float32, 2.0).with_output(c)
+    cols = slice(3, 7)
+    tol, worst = float(ref.tol1[0, cols].max()), float(ref.worst1[0, cols].min())
+    assert tol < worst / 2, (tol, worst)  # room between the two bounds for this test
+    c[0, 2:6, cols] += (tol * worst) ** 0.5 / 4  # each column's sum is off by sqrt(tol * worst)
+    produced = c.clone()
+    out = cks.resolve(cks.detect(c, a, b, rerun=lambda: produced.clone()))
+    assert out.kind == "false_alarm" and out.fixes == [] and not out.recomputed, (out.kind, out.reason)
+    assert torch.equal(c, produced)
 
 
 def test_recomputation_that_fails_verification_escalates():
