@@ -17,3 +17,33 @@ def finite_float(text: str) -> float:
     if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return v
+
+
+SEED_LIMIT = 2**64
+
+
+def seed_int(text: str) -> int:
+    """A seed flag's value: an integer in [0, 2**64). numpy's generators refuse a negative seed and torch's one of
+    2**64 or more, each with a traceback from deep inside the run; here it is one line (argparse exits 2)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= v < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**64), got {text!r}")
+    return v
+
+
+def comma_items(text: str, flag: str) -> list[str]:
+    """A comma list flag's items (spaces around them dropped). An empty item (``a,,b``, a trailing comma) or an
+    item named twice is refused rather than skipped: it is most often a typo for a name left out."""
+    from trainguard.errors import ConfigError
+
+    items = [t.strip() for t in text.split(",")]
+    if text.strip() and not all(items):
+        raise ConfigError(f"{flag}: {text!r} has an empty item")
+    items = [t for t in items if t]
+    twice = sorted({t for t in items if items.count(t) > 1})
+    if twice:
+        raise ConfigError(f"{flag}: {text!r} names {', '.join(twice)} twice")
+    return items

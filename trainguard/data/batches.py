@@ -36,6 +36,9 @@ class DataConfig:
             raise DataError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.max_bytes < 0:
             raise DataError(f"data.max_bytes must be >= 0 (0: all), got {self.max_bytes}")
+        limit = 2**64 // _STEP_STRIDE  # a step's generator is seeded with seed * _STEP_STRIDE + step (torch: < 2**64)
+        if not 0 <= self.seed < limit:
+            raise DataError(f"data.seed must be in [0, {limit}), got {self.seed}")
         return self
 
 

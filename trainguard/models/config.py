@@ -48,6 +48,12 @@ class ModelConfig:
             raise ConfigError(f"model.attention must be 'explicit' or 'sdpa', got {self.attention!r}")
         if self.n_experts < 0:
             raise ConfigError(f"model.n_experts must be >= 0, got {self.n_experts}")
+        for name in ("norm_eps", "rope_theta"):  # RMSNorm's epsilon, RoPE's base: 0 or less gives NaN, not an error
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("init_std", "moe_aux_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"model.{name} must be >= 0, got {getattr(self, name)}")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ConfigError(f"model.top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
         return self

@@ -129,6 +129,8 @@ class ClusterParams:
                 bad.append(f"{name} must be >= 0 (got {v})")
         if self.total_gpus < 1 or self.base_steps < 1 or self.hot_spares < 0:
             bad.append("total_gpus and base_steps must be >= 1, hot_spares >= 0")
+        if not self.failed_allreduce_frac <= 1:  # (>= 0 above): a share of one successful all-reduce
+            bad.append(f"failed_allreduce_frac must be in [0, 1] (got {self.failed_allreduce_frac})")
         if self.allreduce_s is not None and not (self.allreduce_s >= 0 and math.isfinite(self.allreduce_s)):
             bad.append(f"allreduce_s must be >= 0 (got {self.allreduce_s})")
         if bad:

@@ -60,6 +60,8 @@ class TrainConfig:
         _positive("train.log_every", self.log_every)
         _at_least("train.eval_every", self.eval_every, 0)
         _at_least("train.max_retries", self.max_retries, 0)
+        if not 0 <= self.seed < 2**64:  # torch's generators take no seed of 2**64 or more
+            raise ConfigError(f"train.seed must be in [0, 2**64), got {self.seed}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"train.lr must be a finite number > 0, got {self.lr}")
         _within("train.min_lr_ratio", self.min_lr_ratio, 0, 1, closed=True)

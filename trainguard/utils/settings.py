@@ -303,7 +303,9 @@ def _coerce(typ: Any, value: Any, from_text: bool) -> Any:
     if origin in (list, tuple):
         args = typing.get_args(typ)
         if from_text and isinstance(value, str):
-            items: Any = [v.strip() for v in value.split(",") if v.strip()]
+            items: Any = [v.strip() for v in value.split(",")] if value.strip() else []
+            if not all(items):  # (an empty item, "a,,b" or a trailing comma, is refused, not skipped)
+                raise ValueError
         else:
             items = value
         if not isinstance(items, (list, tuple)):

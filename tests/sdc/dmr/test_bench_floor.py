@@ -65,4 +65,4 @@ def test_the_floor_is_not_run_unless_asked_for_and_a_system_named_twice_is_refus
     assert bench.FLOOR not in bench.SYSTEMS and bench.FLOOR in bench.CHOICES
     assert main(["bench", "dmr", "--systems", "none,floor,none"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "names a system twice" in err[0]
+    assert len(err) == 1 and "names none twice" in err[0]

@@ -39,6 +39,14 @@ def run(args) -> int:
         raise ConfigError("--batch, --seq-len, --rounds and --steps must be >= 1")
     if args.checkpoint_interval < 1:
         raise ConfigError(f"--checkpoint-interval must be >= 1, got {args.checkpoint_interval}")
+    if args.plot:  # refused now, not after the benchmark
+        from pathlib import Path
+
+        from trainguard.cli.commands.plan import _writable_dir
+
+        if Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
+            raise ConfigError(f"--plot must end in .png, .svg or .pdf, got {args.plot!r}")
+        _writable_dir(str(Path(args.plot).parent), "--plot")
     r = bench(args.model, args.batch, args.seq_len, args.rounds, args.steps, args.size, not args.no_backward,
               progress=True, host_memory=args.host_memory, device=args.device,
               checkpoint_interval=args.checkpoint_interval)

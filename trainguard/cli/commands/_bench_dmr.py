@@ -9,7 +9,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from trainguard.cli.args import finite_float
+from trainguard.cli.args import comma_items, finite_float
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.bench import CHOICES, FLOOR, SYSTEMS, merge, run_rank
@@ -71,12 +71,10 @@ def register_bench(subparsers) -> None:
 
 
 def _spec(args) -> dict:
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = comma_items(args.systems, "--systems")
     bad = [s for s in systems if s not in CHOICES]
     if bad or not systems:
         raise ConfigError(f"--systems: unknown {', '.join(bad) or '(none)'} (choose from {', '.join(CHOICES)})")
-    if len(set(systems)) != len(systems):
-        raise ConfigError(f"--systems: {args.systems!r} names a system twice")
     if not 0 <= args.idle_fraction < 0.95:
         raise ConfigError(f"--idle-fraction must be in [0, 0.95), got {args.idle_fraction}")
     if args.pp < 1 or args.rounds < 1 or args.steps < 1 or args.warmup < 1:

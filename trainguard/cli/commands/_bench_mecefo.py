@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainguard.cli.args import finite_float
+from trainguard.cli.args import comma_items, finite_float, seed_int
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError
 
@@ -67,7 +67,7 @@ def register_bench(subparsers) -> None:
                    help="methods with a real run under the preset (comma list; default all four)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--plot", default="runs/bench-mecefo/mecefo.png", help="figure to write ('' to skip)")
     add_json_flag(p)
     p.set_defaults(handler=run)
@@ -79,7 +79,7 @@ def _techniques(text: str) -> dict[str, bool]:
         return dict.fromkeys(TECHNIQUES, True)
     if text == "none":
         return dict.fromkeys(TECHNIQUES, False)
-    chosen = [t.strip() for t in text.split(",") if t.strip()]
+    chosen = comma_items(text, "--techniques")
     bad = [t for t in chosen if t not in TECHNIQUES]
     if bad or not chosen:
         raise ConfigError(f"--techniques: unknown {', '.join(bad) or '(none)'} (all, none, or from {', '.join(TECHNIQUES)})")
@@ -95,6 +95,9 @@ def config_from_args(args):
 
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise ConfigError(f"--plot must end in .png, .svg or .pdf, got {args.plot!r}")
+    quality_methods = tuple(comma_items(args.quality_methods, "--quality-methods"))
+    if not quality_methods and not args.no_quality:
+        raise ConfigError(f"--quality-methods names no method, got {args.quality_methods!r} (or pass --no-quality)")
     for name in ("recovery_min", "quality_hours", "horizon_h", "lr"):
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
@@ -110,7 +113,7 @@ def config_from_args(args):
         cost_micro_batch=args.cost_micro_batch, run_grad_accum=args.run_grad_accum,
         rounds=args.rounds, lr=args.lr, eval_batches=args.eval_batches, quality_hours=args.quality_hours,
         real_kills=args.real_kills, monitor_every=args.monitor_every, quality=not args.no_quality,
-        quality_methods=tuple(m.strip() for m in args.quality_methods.split(",") if m.strip()),
+        quality_methods=quality_methods,
         memory=not args.no_memory, threads=args.threads, corpus_max_bytes=300_000 if args.tiny else 4_000_000,
         seed=args.seed, mecefo=mecefo, cluster=cluster).validate()
 
@@ -125,6 +128,10 @@ def run(args) -> int:
     from trainguard.failover.mecefo.bench import bench
 
     cfg = config_from_args(args)
+    if args.plot:  # a folder that cannot be made is refused now, not after the benchmark
+        from trainguard.cli.commands.plan import _writable_dir
+
+        _writable_dir(str(Path(args.plot).parent), "--plot")
     out = err_console if args.json else console
     out.print(f"bench mecefo: {cfg.model}{' (tiny)' if args.tiny else ''}; step costs measured "
               f"({cfg.batch} x {cfg.seq_len} tokens per worker step); throughput modelled for {cfg.workers} workers "

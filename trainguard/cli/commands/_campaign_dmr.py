@@ -8,6 +8,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from trainguard.cli.args import seed_int
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.campaign import PHASES, VERIFIER, run_rank
@@ -21,7 +22,7 @@ def register_campaign(subparsers) -> None:
     p = subparsers.add_parser("dmr", help="bit flips in random ops of every phase vs DMR (detect, roll back)")
     p.add_argument("--model", default="llama-tiny", help="model preset (llama-tiny, llama-moe-tiny, ...)")
     p.add_argument("--trials", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--phase", default="any", choices=(*PHASES, "any", VERIFIER),
                    help="where the faults go: a phase of the step, any of the four, or the DMR engine's own work "
                         "(verifier: its checker executions, copies and fingerprints)")

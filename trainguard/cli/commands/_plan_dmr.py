@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import math
 import re
 from pathlib import Path
 
@@ -34,6 +35,8 @@ def parse_bytes(text: str) -> int:
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value < 0:
         raise ConfigError(f"--memory-budget must be >= 0, got {text!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"--memory-budget must be a finite number of bytes, got {text!r}")
     return int(value)
 
 

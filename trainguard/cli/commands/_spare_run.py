@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from trainguard.cli.args import finite_float
+from trainguard.cli.args import finite_float, seed_int
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, progress, table
 from trainguard.errors import TrainguardError
 
@@ -38,6 +38,12 @@ def cmd_run(args) -> int:
         overrides = dict(dim=32, n_layers=1, n_heads=2, ffn_hidden=64)
     if args.verify is not None and not args.verify >= 0:
         raise TrainguardError(f"--verify tolerance must be >= 0, got {args.verify}")
+    if args.run_dir:  # a file in the way is refused before any group starts
+        from pathlib import Path
+
+        from trainguard.train.trainer import check_writable
+
+        check_writable(Path(args.run_dir), "--run-dir")
     cfg = SpareRunConfig(
         groups=args.groups, redundancy=args.redundancy, steps=args.steps, model=args.model,
         model_overrides=overrides, seq_len=args.seq_len, shard_batch=args.shard_batch, lr=args.lr, seed=args.seed,
@@ -115,7 +121,7 @@ def add_run_parser(sub) -> None:
     ru.add_argument("--seq-len", type=int, default=32)
     ru.add_argument("--shard-batch", type=int, default=2, help="sequences per shard type")
     ru.add_argument("--lr", type=finite_float, default=1e-3)
-    ru.add_argument("--seed", type=int, default=0)
+    ru.add_argument("--seed", type=seed_int, default=0)
     ru.add_argument("--checkpoint-every", type=int, default=2)
     ru.add_argument("--run-dir", default=None, help="checkpoint folder (must not hold a checkpoint; default: temporary)")
     ru.add_argument("--kill", action="append", metavar="G@STEP[:POINT]",
@@ -123,7 +129,7 @@ def add_run_parser(sub) -> None:
                          "(repeatable)")
     ru.add_argument("--random-kills", type=int, default=0, metavar="K",
                     help="SIGKILL K training groups from outside at random moments")
-    ru.add_argument("--kill-seed", type=int, default=0, help="seed of --random-kills")
+    ru.add_argument("--kill-seed", type=seed_int, default=0, help="seed of --random-kills")
     ru.add_argument("--max-restarts", type=int, default=3, help="global restarts (after a wipe-out) before giving up")
     ru.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                     help="a trainer setting for every group and the reference, e.g. train.dtype=bf16 (repeatable)")

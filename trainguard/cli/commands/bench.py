@@ -129,6 +129,10 @@ def bench_train(model: str = "llama-tiny", steps: int = 40, rounds: int = 5, war
 
 
 def run_train(args) -> int:
+    from trainguard.errors import ConfigError
+
+    if args.threads < 0:
+        raise ConfigError(f"--threads must be >= 0 (0: auto), got {args.threads}")
     pick_threads(args.threads)
     out = err_console if args.json else console
     out.print(f"bench train: {args.model}, batch {args.batch} x {args.seq_len}, {args.rounds} rounds "

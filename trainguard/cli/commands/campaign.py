@@ -8,6 +8,7 @@ Relies on argparse and rich.
 
 from __future__ import annotations
 
+from trainguard.cli.args import seed_int
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 
 KEYS = ("trials", "detected", "corrected", "recomputed", "step_retried", "reported_failure", "masked", "silent",
@@ -30,7 +31,7 @@ def register(subparsers) -> None:
                         "or softmax output")
     a.add_argument("--site", default="any", choices=sites(), help="product to strike (default any)")
     a.add_argument("--trials", type=int, default=20)
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--seed", type=seed_int, default=0)
     a.add_argument("--seq-len", type=int, default=32)
     a.add_argument("--batch", type=int, default=2)
     a.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))

@@ -7,6 +7,7 @@ step and element of the chosen site, and is classified against the fault-free re
 
 from __future__ import annotations
 
+from trainguard.cli.args import seed_int
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 
 SITES = ("op", "module", "param", "grad", "optimizer-state")
@@ -28,7 +29,7 @@ def register(subparsers) -> None:
     p.add_argument("--occurrence", type=int, default=0, help="which matching op of the phase (default 0)")
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--steps", type=int, default=3, help="training steps per trial (default 3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     add_json_flag(p)
     p.set_defaults(handler=run)
 

@@ -65,6 +65,7 @@ def cluster_params(args):
     _check("mtbf-per-gpu-hours", args.mtbf_per_gpu_hours)
     _check("restart-minutes", args.restart_minutes, strict=False)
     _check("checkpoint-minutes", args.checkpoint_minutes)
+    _check("grad-bytes-per-param", args.grad_bytes_per_param)
     n = args.gpus // args.gpus_per_group
     used = n * args.gpus_per_group
     notes = []
@@ -173,6 +174,8 @@ def cmd_cluster(args) -> int:
         raise TrainguardError(f"--seeds must be >= 1 when simulating (or use --theory-only), got {args.seeds}")
     if args.workers < 1:
         raise TrainguardError(f"--workers must be >= 1, got {args.workers}")
+    if args.max_redundancy is not None:
+        _check("max-redundancy", args.max_redundancy, 2, strict=False)
     p, n, notes = cluster_params(args)
     out = _writable_dir(args.out)
     plan_path = Path(args.plan_file) if args.plan_file else out / "plan.toml"

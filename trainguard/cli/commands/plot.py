@@ -15,8 +15,13 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from pathlib import Path
+
+    from trainguard.errors import ConfigError
     from trainguard.report.run_plot import plot_run
 
+    if args.out is not None and Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ConfigError(f"--out must end in .png, .svg or .pdf, got {args.out!r}")
     path, curves = plot_run(args.run_dir, args.out)
     counts = curves.counts()
     result = {"path": str(path), "steps": len(curves.steps), "first_step": curves.steps[0], "last_step": curves.steps[-1],

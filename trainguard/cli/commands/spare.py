@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import fields
 
-from trainguard.cli.args import finite_float
+from trainguard.cli.args import finite_float, seed_int
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import TrainguardError
 
@@ -113,11 +113,18 @@ def _positive(name, v):
         raise TrainguardError(f"--{name} must be >= 1, got {v}")
 
 
+def _optional(name, v, low: int = 1):
+    """A flag whose absence means its default: when given, at least ``low`` (0 is no alias for the default)."""
+    if v is not None and v < low:
+        raise TrainguardError(f"--{name} must be >= {low}, got {v}")
+
+
 def cmd_montecarlo(args) -> int:
     from trainguard.sim.montecarlo import run_montecarlo
 
     _positive("groups", args.groups)
     _positive("trials", args.trials)
+    _optional("workers", args.workers)
     t = time.perf_counter()
     res = run_montecarlo(args.groups, args.redundancy, args.trials, args.seed, workers=args.workers).as_dict()
     res["elapsed_s"] = time.perf_counter() - t
@@ -134,6 +141,8 @@ def cmd_sweep(args) -> int:
 
     _positive("groups", args.groups)
     _positive("trials", args.trials)
+    _optional("workers", args.workers)
+    _optional("max-redundancy", args.max_redundancy, 2)
     rs = supported_redundancies(args.groups, args.max_redundancy or 28)
     if not rs:
         raise TrainguardError(f"N={args.groups} supports no redundancy >= 2")
@@ -163,6 +172,7 @@ def cmd_simulate(args) -> int:
     from trainguard.sim.timetotrain import simulate
 
     _positive("groups", args.groups)
+    _optional("max-steps", args.max_steps)
     p = _params(args)
     if not args.json:
         console.print(table("cluster parameters", p.as_dict()))
@@ -211,6 +221,7 @@ def cmd_compare(args) -> int:
     _positive("groups", args.groups)
     _positive("seeds", args.seeds)
     _positive("workers", args.workers)
+    _optional("max-redundancy", args.max_redundancy, 2)
     p = _params(args)
     if args.out:
         from trainguard.cli.commands.plan import _writable_dir
@@ -271,6 +282,8 @@ def cmd_network(args) -> int:
         _positive("groups", n)
     G = args.gpus_per_group
     _positive("gpus-per-group", G)
+    if not args.checkpoint_gb >= 0:
+        raise TrainguardError(f"--checkpoint-gb must be >= 0 (0: no checkpoint), got {args.checkpoint_gb}")
     bpg = p.model_params * p.grad_bytes_per_param / G
     net = p.network()
     ckpt_bytes = args.checkpoint_gb * 1e9
@@ -315,7 +328,7 @@ def register(subparsers) -> None:
     mc.add_argument("--groups", type=int, required=True)
     mc.add_argument("--redundancy", type=int, required=True)
     mc.add_argument("--trials", type=int, default=200)
-    mc.add_argument("--seed", type=int, default=0)
+    mc.add_argument("--seed", type=seed_int, default=0)
     mc.add_argument("--workers", type=int, default=None, help="processes (default: CPU count, at most 8)")
     add_json_flag(mc)
     mc.set_defaults(handler=cmd_montecarlo)
@@ -323,7 +336,7 @@ def register(subparsers) -> None:
     sw = sub.add_parser("sweep", help="montecarlo for every supported redundancy")
     sw.add_argument("--groups", type=int, required=True)
     sw.add_argument("--trials", type=int, default=200)
-    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--seed", type=seed_int, default=0)
     sw.add_argument("--max-redundancy", type=int, default=None)
     sw.add_argument("--workers", type=int, default=None)
     add_json_flag(sw)
@@ -333,7 +346,7 @@ def register(subparsers) -> None:
     si.add_argument("--groups", type=int, required=True)
     si.add_argument("--scheme", choices=("spare", "replication", "checkpoint"), required=True)
     si.add_argument("--redundancy", type=int, default=1)
-    si.add_argument("--seed", type=int, default=0)
+    si.add_argument("--seed", type=seed_int, default=0)
     si.add_argument("--backend", choices=("fast", "simgrid"), default="fast",
                     help="simgrid: all-reduce and checkpoint traffic on a platform (small clusters)")
     si.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (SimGrid validation)")
@@ -345,7 +358,7 @@ def register(subparsers) -> None:
     co = sub.add_parser("compare", help="SPARe+CKPT vs Rep+CKPT vs CKPT-only over r (paper Table 2)")
     co.add_argument("--groups", type=int, required=True)
     co.add_argument("--seeds", type=int, default=3, help="event trails per (scheme, r) (paper: 3)")
-    co.add_argument("--seed", type=int, default=0, help="first seed")
+    co.add_argument("--seed", type=seed_int, default=0, help="first seed")
     co.add_argument("--max-redundancy", type=int, default=None)
     co.add_argument("--out", default=None, help="folder for figures")
     co.add_argument("--workers", type=int, default=1, help="simulation processes")

@@ -6,6 +6,7 @@ paper's Tables 2 and 4. Relies on argparse and rich.
 
 from __future__ import annotations
 
+from trainguard.cli.args import seed_int
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 
 
@@ -30,7 +31,7 @@ def register(subparsers) -> None:
     a.add_argument("--pretrain-steps", type=int, default=0,
                    help="AdamW steps on the default corpus before the study, so faults strike a trained model "
                         "(default 0: the randomly initialised one)")
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--seed", type=seed_int, default=0)
     a.add_argument("--seq-len", type=int, default=32)
     a.add_argument("--batch", type=int, default=2)
     add_json_flag(a)

@@ -193,6 +193,8 @@ class SpareRunConfig:
                 raise TrainguardError(f"spare run: {name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise TrainguardError(f"spare run: lr must be > 0, got {self.lr}")
+        if not self.timeout_s > 0:  # (each group's elastic timeout: refused here once, not by every group)
+            raise TrainguardError(f"spare run: timeout_s must be > 0, got {self.timeout_s}")
         if self.max_restarts < 0:
             raise TrainguardError(f"spare run: max_restarts must be >= 0, got {self.max_restarts}")
         if self.random_kills < 0:

@@ -153,6 +153,8 @@ def run_study(model_name: str = "llama-tiny", trials: int = 10, seed: int = 0, s
                           "trainguard LLaMA preset such as llama-tiny)")
     if trials < 1:
         raise ConfigError(f"--trials must be >= 1, got {trials}")
+    if seq_len < 1 or batch < 1:
+        raise ConfigError(f"--seq-len and --batch must be >= 1, got {seq_len} and {batch}")
     if steps_after < 0:
         raise ConfigError(f"--steps-after must be >= 0, got {steps_after}")
     if pretrain_steps < 0:
