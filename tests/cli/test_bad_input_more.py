@@ -166,3 +166,12 @@ def test_the_seed_type_keeps_the_whole_range():
 ])
 def test_a_comma_list_with_an_empty_item_or_a_name_twice_is_refused_not_skipped(capsys, no_training, argv, needle):
     one_line_exit_2(capsys, argv, needle)
+
+
+def test_a_redundancy_given_to_the_checkpoint_only_scheme_is_refused_not_ignored(capsys):
+    one_line_exit_2(capsys, ["spare", "simulate", "--groups", "8", "--scheme", "checkpoint", "--redundancy", "5",
+                             "--max-steps", "1"], "--redundancy")
+
+
+def test_plot_given_a_file_says_it_is_a_file(capsys, place):
+    one_line_exit_2(capsys, ["plot", str(place / "a-file")], "not a run folder but a file")

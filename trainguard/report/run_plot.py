@@ -56,6 +56,8 @@ def _num(v: Any) -> float | None:
 def read_run(run_dir: str | Path) -> RunCurves:
     """The curves and fault events of a run folder; TrainguardError (one line) when there is nothing to read."""
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        raise TrainguardError(f"not a run folder but a file: {run_dir} (give the run's --output.dir)")
     if not run_dir.is_dir():
         raise TrainguardError(f"run folder not found: {run_dir}")
     path = run_dir / "metrics.jsonl"

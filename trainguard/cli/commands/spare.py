@@ -173,6 +173,9 @@ def cmd_simulate(args) -> int:
 
     _positive("groups", args.groups)
     _optional("max-steps", args.max_steps)
+    if args.scheme == "checkpoint" and args.redundancy != 1:  # (checkpoint-only has no redundancy to set)
+        raise TrainguardError(f"--redundancy applies to spare and replication only, got {args.redundancy} "
+                              "with --scheme checkpoint")
     p = _params(args)
     if not args.json:
         console.print(table("cluster parameters", p.as_dict()))
