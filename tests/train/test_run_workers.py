@@ -7,14 +7,15 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from trainguard.errors import Terminated
-from trainguard.train.launch import PARENT_ENV, run_workers, worker_error
+from trainguard.errors import SuspectedHardwareFault, Terminated, TrainguardError
+from trainguard.train.launch import PARENT_ENV, failed_workers, run_workers, worker_error
 
 
 def _alive(pid: int) -> bool:
@@ -96,3 +97,60 @@ def test_a_failed_run_is_summed_up_by_the_workers_own_exception_line():
               "is no longer kept\n[rank0]: Traceback (most recent call last):\n[rank0]: RuntimeError: Connection closed "
               "by peer\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n=====\n")
     assert worker_error(stderr) == "RuntimeError: dmr: the state at the start of step 0 is no longer kept"
+
+
+SIGNALLED = """[rank0]: Traceback (most recent call last):
+[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:44452
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+trainguard.sdc.dmr.campaign FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-03_14:52:00
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 4321)
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-03_14:51:59
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -11 (pid: 1234)
+  error_file: <N/A>
+  traceback : Signal 11 (SIGSEGV) received by PID 1234
+============================================================
+"""
+
+
+def test_a_rank_that_crashed_is_named_before_the_peer_that_lost_it_and_the_whole_output_is_kept(tmp_path, monkeypatch):
+    """A rank killed by a signal prints no exception line; the line its peer prints (connection closed) is only the
+    consequence. The summary names the crashed rank and its signal, and the whole output goes to a file."""
+    assert worker_error(SIGNALLED) == ("rank 1 died of Signal 11 (SIGSEGV); the others: RuntimeError: "
+                                       "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:44452")
+    # a rank's own exception still comes first, ahead of a peer's lost connection printed before it
+    own = "[rank0]: RuntimeError: Connection closed by peer\n[rank1]: ValueError: bad spec\n"
+    assert worker_error(own) == "ValueError: bad spec"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    err = failed_workers("campaign dmr: a rank's process failed", SIGNALLED)
+    assert type(err) is TrainguardError  # (a crash: no class of its own)
+    message = str(err)
+    assert message.startswith("campaign dmr: a rank's process failed: rank 1 died of Signal 11 (SIGSEGV)")
+    path = Path(message.rsplit("every rank's output: ", 1)[1].rstrip(")"))
+    assert path.parent == tmp_path and path.read_text() == SIGNALLED and "\n" not in message
+
+
+def test_trainguards_own_exceptions_are_named_ahead_of_the_peer_that_lost_the_rank():
+    """A rank that stopped on a suspected hardware fault (exit 3) while its peer waited in a collective: the cause,
+    not the peer's lost connection printed before it (a campaign's failure once read only "Connection closed")."""
+    stderr = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"core.py\", line 714, in _naive\n"
+              "[rank0]: trainguard.errors.SuspectedHardwareFault: three executions of aten.zeros.default in the update "
+              "stage of step 0 all differ (optimizer:40): this device does not compute reliably\n"
+              "[rank1]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:59582.\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\nFailures:\n  <NO_OTHER_FAILURES>\n")
+    assert worker_error(stderr).startswith("trainguard.errors.SuspectedHardwareFault: three executions of aten.zeros")
+    err = failed_workers("campaign dmr: a rank's process failed", stderr)  # exits 3 as the rank did, not 2
+    assert isinstance(err, SuspectedHardwareFault) and "three executions" in str(err)
+    assert worker_error("[rank1]: trainguard.errors.StepAborted: step 3: still failing\n") == (
+        "trainguard.errors.StepAborted: step 3: still failing")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from trainguard.errors import Terminated
+from trainguard.errors import StepAborted, SuspectedHardwareFault, Terminated, TrainguardError
 
 ERROR_DIR_ENV = "TRAINGUARD_ERROR_DIR"
 PARENT_ENV = "TRAINGUARD_LAUNCHED_BY"  # the launching process's pid, which an agent must not outlive
@@ -168,14 +168,42 @@ def run_workers(nproc: int, module: str, *args: str) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+_SIGNALLED = re.compile(r"rank\s*:\s*(\d+).*?traceback\s*:\s*(Signal \d+ \(\w+\))", re.S)
+# an exception's last line: its (dotted) class name, then ":" or the end; trainguard's own exceptions included
+# (SuspectedHardwareFault, StepAborted, Terminated), whose names end neither in Error nor in Exception
+_EXCEPTION = re.compile(r"^\[?[\w.]*(Error|Exception|Fault|Aborted|Terminated|Interrupt|Exit)\b(:|$)")
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
+
+
 def worker_error(stderr: str) -> str:
     """One line for a failed :func:`run_workers` call: the first worker's own exception line (the agent's summary
     after it, ``ChildFailedError``, says nothing about the cause; another rank's error after it is most often that
-    rank losing its peer), else the last three lines of the output."""
+    rank losing its peer), else the last three lines of the output. A rank that died of a signal (a crash: no
+    exception line of its own) is named from the agent's summary, before the lost-peer errors of the others."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.match(r"^\[?[\w.]*(Error|Exception)\b", ln.split("]: ")[-1])
-              and "ChildFailedError" not in ln]
-    return errors[0].split("]: ")[-1] if errors else " | ".join(lines[-3:])
+    errors = [ln.split("]: ")[-1] for ln in lines if _EXCEPTION.match(ln.split("]: ")[-1]) and "ChildFailedError" not in ln]
+    own = [e for e in errors if not any(lost in e for lost in _LOST_PEER)]
+    if own:
+        return own[0]
+    root = stderr.split("Root Cause", 1)[-1] if "Root Cause" in stderr else ""
+    signalled = _SIGNALLED.search(root)
+    if signalled:
+        return f"rank {signalled.group(1)} died of {signalled.group(2)}" + (f"; the others: {errors[0]}" if errors else "")
+    return errors[0] if errors else " | ".join(lines[-3:])
+
+
+def failed_workers(what: str, stderr: str) -> TrainguardError:
+    """The error to raise for a failed :func:`run_workers` call (``what``: the command and what failed): one line,
+    naming a file that keeps every rank's whole output (the temporary folder the ranks ran in is removed, and their
+    output is all there is to tell a crash's cause). A rank's suspected hardware fault or aborted step keeps its
+    class, so the command exits with that code (3, 4) and not as for bad input."""
+    fd, path = tempfile.mkstemp(prefix="trainguard-ranks-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(stderr)
+    cause = worker_error(stderr)
+    kind = next((k for k in (SuspectedHardwareFault, StepAborted) if cause.startswith(f"trainguard.errors.{k.__name__}:")),
+                TrainguardError)
+    return kind(f"{what}: {cause} (every rank's output: {path})")
 
 
 def _result(rc: int, reports: list[dict]) -> LaunchResult:

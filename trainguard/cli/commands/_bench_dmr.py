@@ -11,11 +11,11 @@ from pathlib import Path
 
 from trainguard.cli.args import comma_items, finite_float
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
-from trainguard.errors import ConfigError, TrainguardError
+from trainguard.errors import ConfigError
 from trainguard.sdc.dmr.bench import CHOICES, FLOOR, SYSTEMS, merge, run_rank
 from trainguard.sdc.dmr.config import CARRY_MODES, DMRConfig
 from trainguard.train import TrainerConfig
-from trainguard.train.launch import run_workers, worker_error
+from trainguard.train.launch import failed_workers, run_workers
 
 
 def register_bench(subparsers) -> None:
@@ -122,7 +122,7 @@ def run(args) -> int:
         else:
             proc = run_workers(args.pp, "trainguard.sdc.dmr.bench", tmp, str(spec_path))
             if proc.returncode != 0:
-                raise TrainguardError("bench dmr: a pipeline process failed: " + worker_error(proc.stderr))
+                raise failed_workers("bench dmr: a pipeline process failed", proc.stderr)
             ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(args.pp)]
     res = merge(ranks, spec["systems"])
     res.update(model=args.model, pp=args.pp, batch=args.batch, seq_len=args.seq_len,

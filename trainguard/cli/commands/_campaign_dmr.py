@@ -10,9 +10,9 @@ from pathlib import Path
 
 from trainguard.cli.args import seed_int
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
-from trainguard.errors import ConfigError, TrainguardError
+from trainguard.errors import ConfigError
 from trainguard.sdc.dmr.campaign import PHASES, VERIFIER, run_rank
-from trainguard.train.launch import run_workers, worker_error
+from trainguard.train.launch import failed_workers, run_workers
 
 KEYS = ("trials", "detected", "masked", "silent", "unreached", "faults_fired", "false_positives",
         "rollback_bitwise_equal")
@@ -73,7 +73,7 @@ def run(args) -> int:
             spec_path.write_text(json.dumps(spec))
             proc = run_workers(args.pp * args.dp, "trainguard.sdc.dmr.campaign", tmp, str(spec_path))
             if proc.returncode != 0:
-                raise TrainguardError("campaign dmr: a rank's process failed: " + worker_error(proc.stderr))
+                raise failed_workers("campaign dmr: a rank's process failed", proc.stderr)
             res = json.loads((Path(tmp) / "campaign.json").read_text())
     res.update(model=args.model, pp=args.pp, dp=args.dp, phase=args.phase, seed=args.seed)
     out.print(table(f"campaign dmr: {args.model}, pp {args.pp}, dp {args.dp}", {k: res[k] for k in KEYS}))

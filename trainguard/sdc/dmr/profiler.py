@@ -20,12 +20,11 @@ from typing import Any
 
 import torch
 
-from trainguard.errors import TrainguardError
 from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import attach
 from trainguard.sdc.dmr.profile import Profile
 from trainguard.train import Trainer, TrainerConfig
-from trainguard.train.launch import exit_rank, run_workers, worker_error
+from trainguard.train.launch import exit_rank, failed_workers, run_workers
 
 
 def _overrides(model: str, pp: int, batch: int, seq_len: int, microbatches: int, dp: int = 1) -> list[str]:
@@ -67,7 +66,7 @@ def profile_run(model: str = "llama-60m", pp: int = 2, steps: int = 1, batch: in
         spec.write_text(json.dumps({"overrides": overrides, "steps": steps}))
         proc = run_workers(world, "trainguard.sdc.dmr.profiler", str(target), str(spec))
         if proc.returncode != 0:
-            raise TrainguardError("DMR profiling: a training process failed: " + worker_error(proc.stderr))
+            raise failed_workers("DMR profiling: a training process failed", proc.stderr)
         paths = [target / f"profile-rank{r}.json" for r in range(world)]
         prof = Profile.load(paths[0])
         prof.meta["profiles"] = [str(p) for p in paths] if out_dir is not None else \
