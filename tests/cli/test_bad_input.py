@@ -8,6 +8,7 @@ import tomllib
 
 import pytest
 import torch
+from _bad_input import one_line_exit_2
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -42,29 +43,6 @@ def place(tmp_path_factory):
 
 def base(place) -> list[str]:
     return ["train", *TINY, "--data.source", str(place / "corpus.txt"), "--output.dir", str(place / "out")]
-
-
-@pytest.fixture
-def no_training(monkeypatch):
-    from trainguard.train.trainer import Trainer
-
-    def run(self, *a, **k):
-        raise AssertionError("bad input was accepted and training started")
-
-    monkeypatch.setattr(Trainer, "run", run)
-
-
-def one_line_exit_2(capsys, argv, needle: str = "") -> str:
-    try:
-        rc = main(argv)
-    except SystemExit as exit_:  # argparse's own errors end the process the same way: one line, code 2
-        rc = exit_.code
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert rc == 2, (argv, rc, err[-2000:])
-    assert len(lines) == 1 and lines[0].startswith("trainguard: error: "), (argv, err[-2000:])
-    assert "Traceback" not in err and needle in lines[0], (argv, needle, err)
-    return lines[0]
 
 
 # ---- the cases of the issue, through the CLI --------------------------------------------------------------

@@ -6,8 +6,7 @@ import json
 
 import pytest
 import torch
-
-from trainguard.cli.main import main
+from _bad_input import one_line_exit_2
 
 torch.set_num_threads(1)
 
@@ -35,30 +34,6 @@ def place(tmp_path_factory):
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - 0.1 * s, "tokens_per_s": 100.0})
                                                + "\n" for s in range(1, 6)))
     return root
-
-
-@pytest.fixture
-def no_training(monkeypatch):
-    from trainguard.train.trainer import Trainer
-
-    def run(self, *a, **k):
-        raise AssertionError("bad input was accepted and training started")
-
-    monkeypatch.setattr(Trainer, "run", run)
-
-
-def one_line_exit_2(capsys, argv, needle: str) -> str:
-    try:
-        rc = main(argv)
-    except SystemExit as exit_:  # argparse's own errors end the process the same way: one line, code 2
-        rc = exit_.code
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert rc == 2, (argv, rc, err[-2000:])
-    assert "Traceback" not in err, (argv, err[-2000:])
-    assert len(lines) == 1 and lines[0].startswith("trainguard: error: "), (argv, err[-2000:])
-    assert needle in lines[0], (argv, needle, lines[0])
-    return lines[0]
 
 
 def _fill(argv, place):

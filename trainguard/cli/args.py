@@ -39,11 +39,23 @@ def comma_items(text: str, flag: str) -> list[str]:
     item named twice is refused rather than skipped: it is most often a typo for a name left out."""
     from trainguard.errors import ConfigError
 
-    items = [t.strip() for t in text.split(",")]
-    if text.strip() and not all(items):
+    items = [t.strip() for t in text.split(",")] if text.strip() else []
+    if not all(items):
         raise ConfigError(f"{flag}: {text!r} has an empty item")
-    items = [t for t in items if t]
     twice = sorted({t for t in items if items.count(t) > 1})
     if twice:
         raise ConfigError(f"{flag}: {text!r} names {', '.join(twice)} twice")
     return items
+
+
+FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def check_figure(path: str, flag: str) -> None:
+    """A figure flag's path must name a format matplotlib writes (refused before any work, not after it)."""
+    from pathlib import Path
+
+    from trainguard.errors import ConfigError
+
+    if Path(path).suffix.lower() not in FIGURE_SUFFIXES:
+        raise ConfigError(f"{flag} must end in .png, .svg or .pdf, got {path!r}")

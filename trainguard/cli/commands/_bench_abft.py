@@ -42,10 +42,10 @@ def run(args) -> int:
     if args.plot:  # refused now, not after the benchmark
         from pathlib import Path
 
+        from trainguard.cli.args import check_figure
         from trainguard.cli.commands.plan import _writable_dir
 
-        if Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
-            raise ConfigError(f"--plot must end in .png, .svg or .pdf, got {args.plot!r}")
+        check_figure(args.plot, "--plot")
         _writable_dir(str(Path(args.plot).parent), "--plot")
     r = bench(args.model, args.batch, args.seq_len, args.rounds, args.steps, args.size, not args.no_backward,
               progress=True, host_memory=args.host_memory, device=args.device,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainguard.cli.args import comma_items, finite_float, seed_int
+from trainguard.cli.args import check_figure, comma_items, finite_float, seed_int
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError
 
@@ -93,8 +93,8 @@ def config_from_args(args):
     from trainguard.failover.mecefo.bench import MeCeFOBenchConfig
     from trainguard.failover.mecefo.cluster import ClusterAssumptions
 
-    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise ConfigError(f"--plot must end in .png, .svg or .pdf, got {args.plot!r}")
+    if args.plot:
+        check_figure(args.plot, "--plot")
     quality_methods = tuple(comma_items(args.quality_methods, "--quality-methods"))
     if not quality_methods and not args.no_quality:
         raise ConfigError(f"--quality-methods names no method, got {args.quality_methods!r} (or pass --no-quality)")

@@ -16,9 +16,8 @@ import importlib
 import importlib.util
 import math
 import re
-from pathlib import Path
 
-from trainguard.cli.args import finite_float
+from trainguard.cli.args import check_figure, finite_float
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.config import CARRY_MODES, DMRConfig
@@ -98,8 +97,8 @@ def run(args) -> int:
     budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else None
     if not 0 < args.window_fill <= 1:
         raise ConfigError(f"--window-fill must be in (0, 1], got {args.window_fill}")
-    if args.figure and Path(args.figure).suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise ConfigError(f"--figure must end in .png, .svg or .pdf, got {args.figure!r}")
+    if args.figure:
+        check_figure(args.figure, "--figure")
     profile, source = _profile(args)
     plan = plan_static(profile, PlannerConfig(phases=phases, memory_budget_bytes=budget, pdmr_tail=args.pdmr_tail,
                                               window_fill=args.window_fill, carry=args.carry,

@@ -3,6 +3,7 @@ fault events) from its output folder into a PNG (``trainguard.report.run_plot``)
 
 from __future__ import annotations
 
+from trainguard.cli.args import check_figure
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 
 
@@ -15,13 +16,11 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
 
-    from trainguard.errors import ConfigError
     from trainguard.report.run_plot import plot_run
 
-    if args.out is not None and Path(args.out).suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise ConfigError(f"--out must end in .png, .svg or .pdf, got {args.out!r}")
+    if args.out is not None:
+        check_figure(args.out, "--out")
     path, curves = plot_run(args.run_dir, args.out)
     counts = curves.counts()
     result = {"path": str(path), "steps": len(curves.steps), "first_step": curves.steps[0], "last_step": curves.steps[-1],
