@@ -67,6 +67,8 @@ def test_a_seed_outside_0_to_2_64_is_refused(capsys, argv):
     (["--model.rope_theta", "0"], "model.rope_theta must be > 0"),  # was: accepted (NaN rotations)
     (["--model.norm_eps", "-1e-6"], "model.norm_eps must be > 0"),
     (["--model.moe_aux_loss_coef", "-1"], "model.moe_aux_loss_coef must be >= 0"),
+    (["--sdc.dmr.enabled", "true", "--sdc.dmr.tie_breakers", "0"], "sdc.dmr.tie_breakers must be 1 to 10"),
+    (["--sdc.dmr.tie_breakers", "11"], "sdc.dmr.tie_breakers must be 1 to 10"),
 ])
 def test_train_settings_out_of_range_are_refused(capsys, place, no_training, override, needle):
     argv = ["train", *TINY_TRAIN, "--data.source", str(place / "corpus.txt"), *override]

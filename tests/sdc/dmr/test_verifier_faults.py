@@ -235,3 +235,134 @@ def test_with_the_learning_rate_a_tensor_the_update_is_held_and_a_fault_in_its_c
     assert rec.phase == "verifier" and rec.target.startswith("aten._foreach_copy_") and rec.new == 1.0
     assert equal(params(t), params(ref))
     assert eng.totals["copy_faults"] == 1 and eng.totals["repaired_optimizer"] == 0
+
+
+def _update_stage_faults(site: str, step: int, n: int) -> list[Fault]:
+    """``n`` faults into the verifier's executions of ``site`` in ``step``, each writing a value of its own: the
+    checker's (occurrence 0), then the tie-breakers' (each runs before the next piece's checker)."""
+    return [Fault(OpSite(site, "any", k, verifier=True), FaultModel("value", value=(-3.0) ** k * 1e6), step=step)
+            for k in range(n)]
+
+
+def _at_once(batches, faults: list[Fault], **cfg):
+    """The update checked at once, in pieces (no windows); the steps' results, or the error that stopped the run."""
+    from tests.sdc.dmr.test_engine import _trainer
+    from trainguard.sdc.dmr.config import DMRConfig
+    from trainguard.sdc.dmr.engine import attach
+
+    t = _trainer(batches, "--train.activation_checkpoint", "full")
+    eng = attach(t, DMRConfig(enabled=True, **cfg))
+    inj = Injector(faults, seed=3).attach(t)
+    for _ in range(3):
+        t.train_step()
+    return t, eng, inj
+
+
+@pytest.fixture(scope="module")
+def clean_at_once(batches):
+    from tests.sdc.dmr.test_engine import _trainer
+
+    ref = _trainer(batches, "--train.activation_checkpoint", "full")
+    for _ in range(3):
+        ref.train_step()
+    return params(ref)
+
+
+# the fused AdamW's pieces (in place: the tie-breaker restores the piece's writes first) and the zeros its state
+# starts from (step 0, out of place: every execution reads the same inputs)
+UPDATE_OPS = [("aten._fused_adamw_*", 1), ("aten.zeros*", 0)]
+
+
+@pytest.mark.parametrize("site, step", UPDATE_OPS)
+def test_two_faults_in_an_update_ops_checker_and_tie_breaker_are_outvoted_by_another_execution(batches, clean_at_once,
+                                                                                            site, step):
+    """The update stage cannot be retried (it is under way), so two of three executions decide. Two faults, in the
+    checker and in the tie-breaker, gave three results: the run stopped as a suspected hardware fault (found by
+    ``campaign dmr --phase verifier --faults 2 --pp 2``). Another tie-breaker runs and sides with the primary."""
+    t, eng, inj = _at_once(batches, _update_stage_faults(site, step, 2))
+    assert [r.occurrence for r in inj.records] == [0, 1] and all(r.phase == "verifier" for r in inj.records)
+    assert eng.totals["tie_breakers_again"] == 1  # (three results, all different: the case this is about)
+    assert equal(params(t), clean_at_once)
+
+
+@pytest.mark.parametrize("site, step", UPDATE_OPS)
+def test_with_one_tie_breaker_the_same_two_faults_stop_the_run_as_suspected_hardware(batches, site, step):
+    from trainguard.errors import SuspectedHardwareFault
+
+    with pytest.raises(SuspectedHardwareFault, match=rf"3 executions of aten\.{site[5:-1]}\S* in the update stage "
+                                                     rf"of step {step} all differ"):
+        _at_once(batches, _update_stage_faults(site, step, 2), tie_breakers=1)
+
+
+@pytest.mark.parametrize("site, step", UPDATE_OPS)
+def test_an_update_op_whose_every_execution_differs_is_suspected_hardware_not_retried_forever(batches, site, step):
+    """Four faults, in the checker and in each of the three tie-breakers: no two of five executions agree."""
+    from trainguard.errors import SuspectedHardwareFault
+
+    faults = _update_stage_faults(site, step, 4)
+    with pytest.raises(SuspectedHardwareFault, match=rf"5 executions of aten\.{site[5:-1]}\S* in the update stage "
+                                                     rf"of step {step} all differ"):
+        _at_once(batches, faults)
+
+
+def _held(batches, n: int, **cfg):
+    t = trainer(batches)
+    inj = Injector(_update_stage_faults("aten._fused_adamw_*", 1, n), seed=5).attach(t)
+    eng = windowed(t, "thread", **cfg)
+    for _ in range(3):
+        t.train_step()
+    return t, eng, inj
+
+
+def test_two_faults_in_a_held_updates_checker_and_tie_breaker_are_outvoted_by_another_execution(batches, clean):
+    """The held update (checked in the next iteration's windows): the same two faults, the same vote."""
+    t, eng, inj = _held(batches, 2)
+    assert [r.occurrence for r in inj.records] == [0, 1]
+    assert eng.totals["tie_breakers_again"] == 1
+    assert equal(params(t), clean)
+
+
+def test_with_one_tie_breaker_a_held_updates_three_results_stop_the_run_at_the_next_verdict(batches):
+    from trainguard.errors import SuspectedHardwareFault
+
+    with pytest.raises(SuspectedHardwareFault, match=r"3 executions of aten\._fused_adamw_\S* in the update stage of "
+                                                     r"step 0 all differ"):
+        _held(batches, 2, tie_breakers=1)
+
+
+def test_tie_breakers_from_a_wrong_copy_of_the_state_agree_with_each_other_but_do_not_decide(batches):
+    """Two faults: in the checker of a piece of the update, and in the copy of that piece's state before it (which
+    every tie-breaker starts from). The tie-breakers then agree with each other on a wrong result, and with neither
+    the primary nor the checker: that agreement decides nothing (it would write their result into the parameters and
+    report it repaired), and the run stops as a suspected hardware fault instead."""
+    from tests.sdc.dmr.test_engine import _trainer
+    from trainguard.errors import SuspectedHardwareFault
+    from trainguard.sdc.dmr.config import DMRConfig
+    from trainguard.sdc.dmr.engine import attach
+
+    def run(faults):
+        t = _trainer(batches, "--train.activation_checkpoint", "full")
+        eng = attach(t, DMRConfig(enabled=True))
+        inj = _Counts("aten.copy_", faults, seed=3).attach(t)
+        first_pre: list[int] = []
+        copy, naive, adamw = eng._copy, eng._naive, []
+
+        def spy(key, src):  # (the next copy_ the injector counts is this one)
+            if key[1] == "pre" and inj.step == 1 and adamw[-1:] == [True] and not first_pre and src.numel() > 1:
+                first_pre.append(inj.n)
+            return copy(key, src)
+
+        def in_adamw(op_id, phase, func, *a, **k):  # (the update's pieces: not clipping's, which come first)
+            adamw[:] = [str(func).startswith("aten._fused_adamw_")]
+            return naive(op_id, phase, func, *a, **k)
+
+        eng._copy, eng._naive = spy, in_adamw
+        for _ in range(3):
+            t.train_step()
+        return first_pre
+
+    (occurrence,) = run([])
+    faults = [Fault(OpSite("aten.copy_*", "any", occurrence, verifier=True), FaultModel("value", value=1e6), step=1),
+              Fault(OpSite("aten._fused_adamw_*", "any", 0, verifier=True), FaultModel("value", value=-3e6), step=1)]
+    with pytest.raises(SuspectedHardwareFault, match=r"5 executions of aten\._fused_adamw_\S* in the update stage"):
+        run(faults)

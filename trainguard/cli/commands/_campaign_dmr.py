@@ -15,7 +15,7 @@ from trainguard.sdc.dmr.campaign import PHASES, VERIFIER, run_rank
 from trainguard.train.launch import failed_workers, run_workers
 
 KEYS = ("trials", "detected", "masked", "silent", "unreached", "faults_fired", "false_positives",
-        "rollback_bitwise_equal")
+        "rollback_bitwise_equal", "tie_breakers_again")
 
 
 def register_campaign(subparsers) -> None:

@@ -16,6 +16,8 @@ ops. The fault is then a real hardware fault in the checker: flagged or not, the
 the reference (a detection re-executes the iteration; the state the engine keeps for that must not be the
 corrupted copy). ``any`` means the four phases of the step, as before.
 
+``tie_breakers_again`` counts the update-stage ops (over all trials and ranks) whose checker and first tie-breaker
+both disagreed with the primary and each other, so that another tie-breaker decided (two faults in one op).
 ``rollback_bitwise_equal`` counts trials whose final parameters and optimizer state equal the fault-free
 run bitwise; ``false_positives`` counts detections in fault-free runs (the reference). Pipelines run
 inside each torchrun rank (``python -m trainguard.sdc.dmr.campaign OUT SPEC.json``).
@@ -108,7 +110,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     summary = {"trials": 0, "detected": 0, "masked": 0, "silent": 0, "unreached": 0, "false_positives": false_positives,
                "rollback_bitwise_equal": 0, "by_phase": {p: {"trials": 0, "detected": 0} for p in phases},
                "faults_per_trial": n_faults, "faults_fired": 0, "faults_by_thread": {"main": 0, "worker": 0},
-               "results": []}
+               "tie_breakers_again": 0, "results": []}
     options = [(p, s, r) for p in phases for s in range(steps) for r in range(world) if counts[r].get((s, p), 0)]
     if not options:
         raise RuntimeError(f"no compute op in phase(s) {', '.join(phases)} (activation checkpointing off?)")
@@ -140,6 +142,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             summary["unreached"] += int(not records)
             summary["faults_fired"] += len(records)
             summary["rollback_bitwise_equal"] += int(equal)
+            # (update-stage ops whose checker and tie-breaker both disagreed with the primary: another one decided)
+            summary["tie_breakers_again"] += sum(_gather(engine.totals["tie_breakers_again"]))
             for r in records:  # (a window's worker runs checks: the verifier's ops there are reached too)
                 summary["faults_by_thread"][r["thread"]] += 1
             for phase, *_ in draws:

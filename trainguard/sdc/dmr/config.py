@@ -86,6 +86,10 @@ class DMRConfig:
                                  "unverified, then re-executed; the plan takes each op's and window's median time "
                                  "over them, so one op preempted while profiled on a loaded host does not leave it "
                                  "checked at once for the whole run). 3 where ranks share cores")
+    tie_breakers: int = setting(3, help="update-stage ops (repaired in place, not retried): executions after the primary "
+                                "and checker disagree, each compared with both, before three results or more that "
+                                "all differ stop the run as a suspected hardware fault (one tie-breaker: two faults "
+                                "in one op's checker and tie-breaker stopped it; 1 to 10)")
     determinism_report: str = setting("", help="tolerance mode: a determinism report JSON (from a clean run)")
     tolerance_safety: float = setting(8.0, help="tolerance = this x the largest clean-run gap of the op")
     coverage: bool = setting(False, help="keep the per-op coverage report of the last step (memory grows with ops)")
@@ -101,6 +105,8 @@ class DMRConfig:
                               f"got {self.memory_budget_mb} and {self.optimizer_chunk_mb}")
         if self.profile_steps < 1:
             raise ConfigError(f"sdc.dmr.profile_steps must be >= 1, got {self.profile_steps}")
+        if not 1 <= self.tie_breakers <= 10:
+            raise ConfigError(f"sdc.dmr.tie_breakers must be 1 to 10, got {self.tie_breakers}")
         if not 0 < self.window_fill <= 1:
             raise ConfigError(f"sdc.dmr.window_fill must be in (0, 1], got {self.window_fill}")
         if not 1 <= self.tolerance_safety < math.inf:

@@ -681,41 +681,55 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks, 
             same = self._same(func, out, out2) and (not written or self._same(func, written, checked))
         if same:
             return out
-        if repair and written:  # update stage: restore this op's writes and run it once more (the tie-breaker)
+        if repair and written:  # update stage: restore this op's writes and run it once more (a tie-breaker)
             primary, first = [t.clone() for t in written], out
-            for t, p in zip(written, pre):
-                t.copy_(p)
-            rng.rewind()
-            out = func(*third_args, **third_kwargs)
-            rng.forward()
-            if self._same(func, written, primary):  # a checker fault: the primary's state, executed again
-                return self._repaired(out)
-            if self._same(func, written, checked):
-                # The tie-breaker sides with the checker, but both read the copies of the inputs: a fault in one of
-                # those copies would make them agree on a wrong result. Where a copy differs from the input (the
-                # primary read the input, and nothing between changes it), the primary stands
-                if all(dops.bitwise_equal(ins[id(t)], t) for t in read):
-                    return self._repaired(out)  # the primary was wrong: the written state is the other two's
-                self._copy_verified(written, primary)
-                self.counts["checker-fault"] += 1
-                self.totals["copy_faults"] += 1
-                return first
-        elif repair:  # update stage, out-of-place op: a third execution decides, the result goes into ``out``
-            rng.rewind()
-            out3 = func(*args, **kwargs)
-            rng.forward()
-            if self._same(func, out3, out2):
-                for dst, src in zip(dops.tensors(out), dops.tensors(out3)):
-                    dst.copy_(src)
-                return self._repaired(out)
-            if self._same(func, out3, out):
-                return self._repaired(out)
-        if repair:  # the update is under way: it cannot be rolled back, and three executions gave three results
-            raise SuspectedHardwareFault(f"three executions of {func} in the update stage of step {self.step} all "
-                                         f"differ ({op_id}): this device does not compute reliably")
+            for k in range(self.cfg.tie_breakers):
+                if k:  # (three results so far, all different: two faults, in the checker and a tie-breaker)
+                    self._tie_breaker_again()
+                for t, p in zip(written, pre):
+                    t.copy_(p)
+                rng.rewind()
+                out = func(*third_args, **third_kwargs)
+                rng.forward()
+                if self._same(func, written, primary):  # a checker fault: the primary's state, executed again
+                    return self._repaired(out)
+                if self._same(func, written, checked):
+                    # The tie-breaker sides with the checker, but both read the copies of the inputs: a fault in one
+                    # of those copies would make them agree on a wrong result. Where a copy differs from the input
+                    # (the primary read the input, and nothing between changes it), the primary stands
+                    if all(dops.bitwise_equal(ins[id(t)], t) for t in read):
+                        return self._repaired(out)  # the primary was wrong: the written state is the other two's
+                    self._copy_verified(written, primary)
+                    self.counts["checker-fault"] += 1
+                    self.totals["copy_faults"] += 1
+                    return first
+                # Two tie-breakers that agree with each other decide nothing: both started from the same copy of the
+                # state before the op (``pre``), so a fault in that copy makes them agree on a wrong result
+        elif repair:  # update stage, out-of-place op: further executions decide, the result goes into ``out``
+            seen = [out, out2]  # (every execution reads the same inputs: any two that agree decide)
+            for k in range(self.cfg.tie_breakers):
+                if k:
+                    self._tie_breaker_again()
+                rng.rewind()
+                out3 = func(*args, **kwargs)
+                rng.forward()
+                if self._same(func, out3, out):
+                    return self._repaired(out)
+                if any(self._same(func, out3, o) for o in seen[1:]):
+                    for dst, src in zip(dops.tensors(out), dops.tensors(out3)):
+                        dst.copy_(src)
+                    return self._repaired(out)
+                seen.append(out3)
+        if repair:  # the update is under way: it cannot be rolled back, and no two executions agreed
+            raise SuspectedHardwareFault(f"{2 + self.cfg.tie_breakers} executions of {func} in the update stage of "
+                                         f"step {self.step} all differ ({op_id}): this device does not compute reliably")
         self._mismatch(op_id, dops.info(func).name, phase, "naive", "primary and checker differ" if not written else
                        "primary and checker writes differ")
         return out
+
+    def _tie_breaker_again(self) -> None:
+        self.counts["tie-breaker-again"] += 1
+        self.totals["tie_breakers_again"] += 1
 
     def _repaired(self, out):
         self.counts["reexecuted"] += 1

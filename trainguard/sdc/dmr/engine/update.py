@@ -225,18 +225,23 @@ class UpdateStageChecks:
         # this rank or another: two faults at once). Run in place on ``pre``, it left no copy of that state and the
         # rewind failed.
         tie = {n: [torch.empty_like(t) for t in pre[n]] for n in h.written}
-        self._copy_verified([t for n in h.written for t in tie[n]], [t for n in h.written for t in pre[n]])
-        self._run_update(h, tie)
-        if all(dops.bitwise_equal(tie[n], chk[n]) for n in h.written):
-            self._repair.append((tie, live))  # the primary was wrong: written back before the next verdict
-            self.totals["repaired_optimizer"] += 1
-            self._mismatch(h.op_id, dops.info(h.func).name, "optimizer", "optimizer-held",
-                           f"the update of step {h.step} differs from two executions of it")
-        elif all(dops.bitwise_equal(tie[n], live[n]) for n in h.written):
-            self.counts["checker-fault"] += 1  # the checker was wrong: the primary and the tie-breaker agree
+        for k in range(self.cfg.tie_breakers):
+            if k:  # (three results so far, all different: two faults, in the checker and a tie-breaker)
+                self._tie_breaker_again()
+            self._copy_verified([t for n in h.written for t in tie[n]], [t for n in h.written for t in pre[n]])
+            self._run_update(h, tie)
+            if all(dops.bitwise_equal(tie[n], chk[n]) for n in h.written):
+                self._repair.append((tie, live))  # the primary was wrong: written back before the next verdict
+                self.totals["repaired_optimizer"] += 1
+                self._mismatch(h.op_id, dops.info(h.func).name, "optimizer", "optimizer-held",
+                               f"the update of step {h.step} differs from two executions of it")
+                break
+            if all(dops.bitwise_equal(tie[n], live[n]) for n in h.written):
+                self.counts["checker-fault"] += 1  # the checker was wrong: the primary and the tie-breaker agree
+                break
         else:
-            self._held_fatal = (f"three executions of {dops.info(h.func).name} in the update stage of step {h.step} "
-                                f"all differ ({h.op_id}): this device does not compute reliably")
+            self._held_fatal = (f"{2 + self.cfg.tie_breakers} executions of {dops.info(h.func).name} in the update "
+                                f"stage of step {h.step} all differ ({h.op_id}): this device does not compute reliably")
             self._pre_start, self._spare_start = h.step, None  # (``pre`` is still that; the run stops at the next verdict)
             return
         # the tie-breaker's result, which the live state equals once repaired, is the verified state before the next
