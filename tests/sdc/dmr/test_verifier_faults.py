@@ -366,3 +366,32 @@ def test_tie_breakers_from_a_wrong_copy_of_the_state_agree_with_each_other_but_d
               Fault(OpSite("aten._fused_adamw_*", "any", 0, verifier=True), FaultModel("value", value=-3e6), step=1)]
     with pytest.raises(SuspectedHardwareFault, match=r"5 executions of aten\._fused_adamw_\S* in the update stage"):
         run(faults)
+
+
+def test_a_state_the_engine_gave_up_on_is_refused_to_readers_and_a_loaded_one_trains_on(batches, clean, tmp_path):
+    """Once the engine stops the run (three results in the update stage), the live state is the primary's, right or
+    wrong: reading it re-ran a step on the suspect device and handed out a state nobody verified, which a caller that
+    catches the error could have saved as a checkpoint. Reads are refused now (no checkpoint is written); loading a
+    state replaces it, and training from there ends bitwise equal to the fault-free run."""
+    import copy
+
+    from trainguard.errors import SuspectedHardwareFault
+
+    t = trainer(batches, "--checkpoint.dir", str(tmp_path / "ckpt"))
+    start = copy.deepcopy(t.state_dict())
+    Injector(_update_stage_faults("aten._fused_adamw_*", 1, 2), seed=5).attach(t)
+    eng = windowed(t, "thread", tie_breakers=1)
+    with pytest.raises(SuspectedHardwareFault, match="3 executions"):
+        for _ in range(3):
+            t.train_step()
+    for read in (t.state_dict, t.state_dict_for_compare, t.save_checkpoint, t.evaluate):
+        with pytest.raises(SuspectedHardwareFault, match=r"the model state is not verified since the run stopped \(3 "):
+            read()
+    ckpt = tmp_path / "ckpt"
+    assert not ckpt.exists() or not any(ckpt.iterdir())
+    t.load_state_dict(start)
+    for _ in range(3):
+        t.train_step()
+    assert equal(params(t), clean) and eng.totals["detected"] == 0
+    t.save_checkpoint()  # (where a checkpoint goes: the check above is not vacuous)
+    assert any(ckpt.iterdir())

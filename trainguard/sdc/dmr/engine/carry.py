@@ -107,10 +107,15 @@ class CarriedChecks:
                 self._spare_step.pop(k, None)
             self._pre_start, self._spare_start = step, None
         else:
-            raise RuntimeError(f"dmr: the state at the start of step {step} is no longer kept (two faults at once: a "
-                               "wrong update and a carried check that differs); restart from the last checkpoint")
+            self._failed = (f"dmr: the state at the start of step {step} is no longer kept (two faults at once: a "
+                            "wrong update and a carried check that differs); restart from the last checkpoint")
+            raise RuntimeError(self._failed)
         with torch.no_grad(), _checking():  # (the engine's own work: no op of the step)
             self._copy_verified([self._pre[k][0] for k in keys], src)
+        self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        """Forget the checks pending on the current state (it is being replaced)."""
         self._held, self._repair, self._carried = [], [], []
         self._carried_fifo.clear()
         self.carried_bytes, self._rewind = 0, False
@@ -119,7 +124,7 @@ class CarriedChecks:
     def _apply_repair(self) -> None:
         if self._held_fatal is not None:
             msg, self._held_fatal = self._held_fatal, None
-            raise SuspectedHardwareFault(msg)
+            raise self._suspect(msg)
         fixes, self._repair = self._repair, []
         with torch.no_grad(), _checking():  # (the engine's own work: no op of the step)
             for fix, live in fixes:
@@ -127,7 +132,15 @@ class CarriedChecks:
 
     def _state_event(self, event: str) -> None:
         """The trainer's state hook: settle before a read; before a write (a load, a restore) also drop the copies
-        of the state (the next update copies it again)."""
+        of the state (the next update copies it again). After the engine stopped the run (``_suspect``) the state
+        is not verified: a read is refused (a checkpoint of it would be trusted), a write (loading a checkpoint, a
+        snapshot) replaces it, and what was pending on the old state is dropped."""
+        if self._failed is not None:
+            if event != "write":
+                raise SuspectedHardwareFault(f"dmr: the model state is not verified since the run stopped ({self._failed})"
+                                             "; load a checkpoint or a state to go on")
+            self._drop_pending()
+            self._failed, self._held_fatal, self._carry_sync_step = None, None, None
         self.settle()
         if event == "write":
             self._pre.clear()
@@ -138,6 +151,8 @@ class CarriedChecks:
     def settle(self) -> None:
         """Check the held updates now, on this thread, and write back a repair: before anything reads the state
         from outside the training loop (a checkpoint, an evaluation, a comparison, the end of the run)."""
+        if self._failed is not None:  # (nothing is verified on a state the engine gave up on: detach still may)
+            return
         sync = self._carry_sync_step is not None and self._world > 1
         if not self._held and not self._repair and self._held_fatal is None and not self._carried and \
                 not self._carried_fifo and not sync:

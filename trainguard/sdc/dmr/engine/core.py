@@ -121,6 +121,8 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks, 
         # together (the next step's verdict, or a collective in settle): the same on every rank
         self._carry_sync_step: int | None = None
         self._rewind = False
+        # why the engine stopped the run, if it did: the state it guards is not verified from there on (see settle)
+        self._failed: str | None = None
         self._trainer = None
         # the stream executor (see window): the device module, its side stream, and the comparisons' device flags
         # with what to do when read (None: the thread executor, where every comparison is read at once)
@@ -721,11 +723,17 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks, 
                     return self._repaired(out)
                 seen.append(out3)
         if repair:  # the update is under way: it cannot be rolled back, and no two executions agreed
-            raise SuspectedHardwareFault(f"{2 + self.cfg.tie_breakers} executions of {func} in the update stage of "
-                                         f"step {self.step} all differ ({op_id}): this device does not compute reliably")
+            raise self._suspect(f"{2 + self.cfg.tie_breakers} executions of {func} in the update stage of step "
+                                f"{self.step} all differ ({op_id}): this device does not compute reliably")
         self._mismatch(op_id, dops.info(func).name, phase, "naive", "primary and checker differ" if not written else
                        "primary and checker writes differ")
         return out
+
+    def _suspect(self, msg: str) -> SuspectedHardwareFault:
+        """The error that stops the run where the engine cannot tell a right state from a wrong one (mid-update, or a
+        copy of the state that would not copy): reading the state afterwards is refused, loading one is allowed."""
+        self._failed = msg
+        return SuspectedHardwareFault(msg)
 
     def _tie_breaker_again(self) -> None:
         self.counts["tie-breaker-again"] += 1

@@ -60,6 +60,8 @@ class DMRGuard(StepGuard):
         self.engine.restore_before_update(step)
 
     def on_error(self, ctx, err: Exception) -> Verdict | None:
+        if self.engine._failed is not None:  # (the engine stopped the run itself: nothing to retry)
+            return None
         self.engine._read_flags()
         if not self.engine.mismatches:
             return None
