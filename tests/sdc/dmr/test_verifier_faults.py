@@ -6,6 +6,7 @@ package's conftest (the windowed trainer's)."""
 
 from __future__ import annotations
 
+import fnmatch
 import threading
 import time
 from unittest import mock
@@ -395,3 +396,55 @@ def test_a_state_the_engine_gave_up_on_is_refused_to_readers_and_a_loaded_one_tr
     assert equal(params(t), clean) and eng.totals["detected"] == 0
     t.save_checkpoint()  # (where a checkpoint goes: the check above is not vacuous)
     assert any(ckpt.iterdir())
+
+
+class _CopiesBeforeTheTieBreaker(Injector):
+    """Counts the verifier's copy ops of step 0 (``aten.copy_``, ``aten._foreach_copy_``) as a site of that pattern
+    does, and notes the count when the second verifier execution of ``aten.zeros`` (the tie-breaker) runs."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.copies, self.zeros, self.at = 0, 0, None
+
+    def _on_op(self, func, out, args=(), kwargs=None):
+        if self.step == 0 and _CHECKER.active and not self._injecting:
+            name = str(func)
+            # (the injector's own filter: a tensor returned must be floating point; a list op returns None)
+            counted = out.is_floating_point() if isinstance(out, torch.Tensor) else out is None or isinstance(out, list)
+            if fnmatch.fnmatchcase(name, "aten.*copy_*") and counted:
+                self.copies += 1
+            elif name.startswith("aten.zeros"):
+                self.zeros += 1
+                if self.zeros == 2:
+                    self.at = self.copies
+        return super()._on_op(func, out, args, kwargs)
+
+
+def test_a_fault_in_the_copy_that_writes_the_outvoting_result_into_an_update_op_is_copied_again(batches, clean_at_once):
+    """A wrong primary of an out-of-place update op (the zeros AdamW's state starts from), outvoted by the checker and
+    the tie-breaker: their result is copied into the primary's output. That copy was not compared with its source, so
+    a fault in it wrote a wrong value into the optimizer's state and reported the op repaired."""
+    from tests.sdc.dmr.test_engine import _trainer
+    from trainguard.sdc.dmr.config import DMRConfig
+    from trainguard.sdc.dmr.engine import attach
+
+    wrong_primary = Fault(OpSite("aten.zeros*", "optimizer", 0, compute_only=True), FaultModel("value", value=7.0),
+                          step=0)
+
+    def run(faults):
+        t = _trainer(batches, "--train.activation_checkpoint", "full")
+        eng = attach(t, DMRConfig(enabled=True))
+        inj = _CopiesBeforeTheTieBreaker(faults, seed=3).attach(t)
+        inj.count_verifier = True  # (the verifier's ops reach _on_op without a verifier site of their own)
+        for _ in range(3):
+            t.train_step()
+        return t, eng, inj
+
+    _, eng, counted = run([wrong_primary])
+    assert counted.at is not None and eng.totals["repaired_optimizer"] == 1  # (outvoted and written back)
+    wrong_copy = Fault(OpSite("aten.*copy_*", "any", counted.at, verifier=True), FaultModel("value", value=-5.0),
+                       step=0)
+    t, eng, inj = run([wrong_primary, wrong_copy])
+    assert [r.phase for r in inj.records] == ["optimizer", "verifier"] and "copy_" in inj.records[1].target
+    assert equal(params(t), clean_at_once)
+    assert eng.totals["copy_faults"] == 1 and eng.totals["repaired_optimizer"] == 1

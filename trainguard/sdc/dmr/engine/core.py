@@ -718,8 +718,9 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks, 
                 if self._same(func, out3, out):
                     return self._repaired(out)
                 if any(self._same(func, out3, o) for o in seen[1:]):
-                    for dst, src in zip(dops.tensors(out), dops.tensors(out3)):
-                        dst.copy_(src)
+                    # (compared after copying: a fault in this copy would write a wrong value into the update's
+                    # output and report it repaired)
+                    self._copy_verified(list(dops.tensors(out)), list(dops.tensors(out3)))
                     return self._repaired(out)
                 seen.append(out3)
         if repair:  # the update is under way: it cannot be rolled back, and no two executions agreed
