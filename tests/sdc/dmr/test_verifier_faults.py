@@ -448,3 +448,32 @@ def test_a_fault_in_the_copy_that_writes_the_outvoting_result_into_an_update_op_
     assert [r.phase for r in inj.records] == ["optimizer", "verifier"] and "copy_" in inj.records[1].target
     assert equal(params(t), clean_at_once)
     assert eng.totals["copy_faults"] == 1 and eng.totals["repaired_optimizer"] == 1
+
+
+def test_a_trial_that_stops_as_suspected_hardware_is_counted_stopped_and_the_campaign_goes_on(monkeypatch):
+    """A single-process campaign's trial whose run stops (``SuspectedHardwareFault``: no two executions of an update op
+    agreed) ended the whole campaign, every other trial's outcome with it. It is an outcome of its own now: nothing
+    wrong was kept, the state is not read (the trainer refuses), and the next trial runs."""
+    from tests.sdc.dmr.test_engine import SMALL
+    from trainguard.errors import SuspectedHardwareFault
+    from trainguard.sdc.dmr import campaign
+    from trainguard.train import Trainer
+
+    steps, calls = 2, [0]
+
+    class StopsOnce(Trainer):
+        def train_step(self, *a, **k):
+            calls[0] += 1
+            if calls[0] == steps + 2:  # (after the reference run: the second step of the first trial)
+                raise SuspectedHardwareFault("test: five executions of an update op all differ")
+            return super().train_step(*a, **k)
+
+    monkeypatch.setattr(campaign, "Trainer", StopsOnce)
+    overrides = [*SMALL, "--model.n_layers", "1", "--train.activation_checkpoint", "full"]
+    res = campaign.run_rank({"overrides": overrides, "trials": 3, "seed": 4, "phase": "forward", "steps": steps,
+                             "model": "tiny"})
+    assert res["trials"] == 3 and res["stopped"] == 1 and res["silent"] == 0
+    assert res["detected"] + res["masked"] + res["stopped"] == 3 and res["rollback_bitwise_equal"] == 2
+    first = res["results"][0]
+    assert first["outcome"] == "stopped" and "five executions" in first["stopped"] and not first["bitwise_equal"]
+    assert [r["outcome"] for r in res["results"][1:]] == ["detected", "detected"]

@@ -14,7 +14,7 @@ from trainguard.errors import ConfigError
 from trainguard.sdc.dmr.campaign import PHASES, VERIFIER, run_rank
 from trainguard.train.launch import failed_workers, run_workers
 
-KEYS = ("trials", "detected", "masked", "silent", "unreached", "faults_fired", "false_positives",
+KEYS = ("trials", "detected", "masked", "silent", "stopped", "unreached", "faults_fired", "false_positives",
         "rollback_bitwise_equal", "tie_breakers_again")
 
 

@@ -9,6 +9,9 @@ through the fault injector (in-place ops: of a tensor they write). Outcome class
 * ``detected``: DMR flagged it (the iteration was re-executed, or the optimizer chunk repaired);
 * ``masked``: not flagged and the final state equals the reference bitwise;
 * ``silent``: not flagged and the final state differs (silent data corruption);
+* ``stopped``: the run stopped as a suspected hardware fault (in a training run: exit 3), e.g. an update-stage op
+  none of whose executions agree: nothing wrong was kept, but the trial did not finish. Counted single-process only;
+  on several ranks the others wait in a collective for the stopped one, and the campaign stops with it;
 
 ``--phase verifier`` strikes the engine's own work instead (``OpSite(verifier=True)``): its checker executions,
 copies and fingerprints, on the main thread or a window's worker, counted in the reference run like the step's
@@ -35,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainguard.errors import SuspectedHardwareFault
 from trainguard.faults import Fault, FaultModel, Injector, OpSite
 from trainguard.sdc.dmr.config import DMRConfig
 from trainguard.sdc.dmr.engine import attach
@@ -67,9 +71,10 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def _run(cfg, steps: int, faults: dict[int, list[Fault]], seed: int, count: bool = False, plan=None,
-         executor: str = "auto", verifier: bool = False):
+         executor: str = "auto", verifier: bool = False, may_stop: bool = False):
     """One run with DMR on, each rank's ``faults[rank]`` injected; ``count``: count compute ops per (step, phase),
-    the engine's own ops too where ``verifier``."""
+    the engine's own ops too where ``verifier``. ``may_stop``: a single-process run that stops as a suspected hardware
+    fault returns its message in place of ``detected``."""
     trainer = Trainer(cfg, progress=False)
     engine = attach(trainer, DMRConfig(enabled=True, executor=executor), plan=plan)
     injector = None
@@ -78,9 +83,14 @@ def _run(cfg, steps: int, faults: dict[int, list[Fault]], seed: int, count: bool
         injector = Injector(mine, seed=seed).attach(trainer)
         injector.count_ops = count
         injector.count_verifier = count and verifier
-    for _ in range(steps):
-        trainer.train_step()
-    trainer.settle()  # checks still held (the last update's) complete before the outcome is read
+    try:
+        for _ in range(steps):
+            trainer.train_step()
+        trainer.settle()  # checks still held (the last update's) complete before the outcome is read
+    except SuspectedHardwareFault as err:
+        if not may_stop or trainer.world > 1:  # (other ranks wait in a collective for this one: it cannot go on)
+            raise
+        return trainer, engine, injector, str(err)
     detected = engine.totals["detected"] > 0
     return trainer, engine, injector, detected
 
@@ -107,7 +117,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     phases = [VERIFIER] if verifier else [p for p in PHASES if spec["phase"] in ("any", p)]
     rng = np.random.default_rng(seed)
     n_faults = spec.get("faults", 1)
-    summary = {"trials": 0, "detected": 0, "masked": 0, "silent": 0, "unreached": 0, "false_positives": false_positives,
+    summary = {"trials": 0, "detected": 0, "masked": 0, "silent": 0, "stopped": 0, "unreached": 0,
+               "false_positives": false_positives,
                "rollback_bitwise_equal": 0, "by_phase": {p: {"trials": 0, "detected": 0} for p in phases},
                "faults_per_trial": n_faults, "faults_fired": 0, "faults_by_thread": {"main": 0, "worker": 0},
                "tie_breakers_again": 0, "results": []}
@@ -130,13 +141,18 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
                     OpSite("*", phase, occurrence, compute_only=True)
                 faults.setdefault(frank, []).append(Fault(site, FaultModel("bitflip", field="any"), step=step))
             trainer, engine, injector, detected = _run(cfg, steps, faults, seed * 1_000_003 + trial, plan=plan,
-                                                       executor=executor)
-            state = trainer.state_dict_for_compare()
-            equal = _all(state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state))
-            detected = _any(detected)
+                                                       executor=executor, may_stop=True)
+            stopped = detected if isinstance(detected, str) else None
+            if stopped is None:
+                state = trainer.state_dict_for_compare()
+                equal = _all(state.keys() == reference.keys() and all(torch.equal(state[k], reference[k])
+                                                                      for k in state))
+                detected = _any(detected)
+            else:  # (the state is not verified: the trainer refuses to read it)
+                equal = detected = False
             mine = [r.to_dict() for r in injector.records] if injector is not None and faults.get(rank) else []
             records = [r for rs in _gather(mine) for r in rs]
-            outcome = "detected" if detected else ("masked" if equal else "silent")
+            outcome = "stopped" if stopped else "detected" if detected else ("masked" if equal else "silent")
             summary["trials"] += 1
             summary[outcome] += 1
             summary["unreached"] += int(not records)
@@ -152,11 +168,14 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             phase, step, frank, occurrence = draws[0]
             result = {"trial": trial, "phase": phase, "step": step, "rank": frank, "occurrence": occurrence,
                       "outcome": outcome, "bitwise_equal": equal, "fault": records[0] if records else None}
+            if stopped:
+                result["stopped"] = stopped
             if n_faults > 1:
                 result.update(draws=[dict(zip(("phase", "step", "rank", "occurrence"), d)) for d in draws],
                               faults=records)
             summary["results"].append(result)
-            bar.advance(f"detected {summary['detected']}  silent {summary['silent']}")
+            bar.advance(f"detected {summary['detected']}  silent {summary['silent']}" +
+                        (f"  stopped {summary['stopped']}" if summary["stopped"] else ""))
     finally:
         bar.stop()
     summary["rank"] = rank
