@@ -87,10 +87,11 @@ elif mode.startswith("dmr:"):  # dmr:R:K:PHASE: a bit flip in rank R's PHASE ops
     if trainer.rank == int(rank):
         site = OpSite("*", phase, 5, compute_only=True)
         injector = flip(site, step)
-elif mode.startswith(("dmrocc:", "dmrloop:")):  # dmrocc:R:K:PHASE:N: a bit flip in rank R's N-th PHASE op at
-    # step K, DMR on; dmrloop: the same, the steps run by train_step() (not run(): the last one may carry checks,
-    # settled when the state is read at the end)
-    _, rank, step, phase, occ = mode.split(":")
+elif mode.startswith(("dmrocc:", "dmrloop:")):  # dmrocc:R:K:PHASE:N[:S]: a bit flip in rank R's N-th PHASE op at
+    # step K, DMR on (S: run S steps only); dmrloop: the same, the steps run by train_step() (not run(): the last
+    # one may carry checks, settled when the state is read at the end)
+    _, rank, step, phase, occ, *stop = mode.split(":")
+    n_steps = int(stop[0]) if stop else None
     if trainer.rank == int(rank):
         site = OpSite("*", phase, int(occ), compute_only=True)
         injector = flip(site, step)

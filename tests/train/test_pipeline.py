@@ -366,6 +366,23 @@ def test_dmr_a_fault_in_the_last_steps_carried_checks_is_judged_by_every_stage_w
 
 
 @pytest.mark.slow
+def test_dmr_a_fault_in_the_step_before_a_checkpoint_is_found_within_it_and_the_resume_is_bitwise(tmp_path, clean_pp2):
+    """A run of two steps with a checkpoint at its end, and a bit flip in stage 0's op 560 of step 1, whose check is
+    carried past the update in any step but one the state is read after (the trainer's ``carry_allowed``): here it
+    is checked within the step, which both stages re-execute at once. The checkpoint holds the verified state (the
+    held update's check settled before it), and a run resumed from it ends bitwise equal to the uninterrupted
+    fault-free run."""
+    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.carry_budget", "unbounded"]
+    ck = ["--checkpoint.dir", str(tmp_path / "ck")]
+    first = run_dist(tmp_path, "first", 2, "dmrocc:0:1:backward:560:2", *PP, *dmr, *ck)
+    assert first[0]["fired"] and first[0]["dmr"]["detected"] == 1
+    assert all([s["attempts"] for s in r["steps"]] == [2, 2] for r in first)  # (step 0: profiled, then verified)
+    resumed = run_dist(tmp_path, "resumed", 2, "clean", *PP, *dmr, *ck, "--checkpoint.resume", "true")
+    assert resumed[0]["summary"]["start_step"] == 2 and not any(r["dmr"].get("detected") for r in resumed)
+    assert_bitwise(resumed, clean_pp2)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("step", [1, 2, 3])
 def test_dmr_a_wrong_optimizer_update_is_caught_in_the_next_iteration_and_repaired_bitwise(tmp_path, clean_pp2, step):
     """The fused AdamW's check is held into the next iteration's windows (``hold_update``): a bit flip in what
