@@ -246,7 +246,8 @@ def _update_stage_faults(site: str, step: int, n: int) -> list[Fault]:
 
 
 def _at_once(batches, faults: list[Fault], **cfg):
-    """The update checked at once, in pieces (no windows); the steps' results, or the error that stopped the run."""
+    """Three steps with the update checked at once, in pieces (no windows): the trainer, the engine, the injector.
+    The fault-free reference is ``clean_held`` (the same trainer without DMR)."""
     from tests.sdc.dmr.test_engine import _trainer
     from trainguard.sdc.dmr.config import DMRConfig
     from trainguard.sdc.dmr.engine import attach
@@ -259,23 +260,13 @@ def _at_once(batches, faults: list[Fault], **cfg):
     return t, eng, inj
 
 
-@pytest.fixture(scope="module")
-def clean_at_once(batches):
-    from tests.sdc.dmr.test_engine import _trainer
-
-    ref = _trainer(batches, "--train.activation_checkpoint", "full")
-    for _ in range(3):
-        ref.train_step()
-    return params(ref)
-
-
 # the fused AdamW's pieces (in place: the tie-breaker restores the piece's writes first) and the zeros its state
 # starts from (step 0, out of place: every execution reads the same inputs)
 UPDATE_OPS = [("aten._fused_adamw_*", 1), ("aten.zeros*", 0)]
 
 
 @pytest.mark.parametrize("site, step", UPDATE_OPS)
-def test_two_faults_in_an_update_ops_checker_and_tie_breaker_are_outvoted_by_another_execution(batches, clean_at_once,
+def test_two_faults_in_an_update_ops_checker_and_tie_breaker_are_outvoted_by_another_execution(batches, clean_held,
                                                                                             site, step):
     """The update stage cannot be retried (it is under way), so two of three executions decide. Two faults, in the
     checker and in the tie-breaker, gave three results: the run stopped as a suspected hardware fault (found by
@@ -283,7 +274,7 @@ def test_two_faults_in_an_update_ops_checker_and_tie_breaker_are_outvoted_by_ano
     t, eng, inj = _at_once(batches, _update_stage_faults(site, step, 2))
     assert [r.occurrence for r in inj.records] == [0, 1] and all(r.phase == "verifier" for r in inj.records)
     assert eng.totals["tie_breakers_again"] == 1  # (three results, all different: the case this is about)
-    assert equal(params(t), clean_at_once)
+    assert equal(params(t), clean_held)
 
 
 @pytest.mark.parametrize("site, step", UPDATE_OPS)
@@ -420,7 +411,7 @@ class _CopiesBeforeTheTieBreaker(Injector):
         return super()._on_op(func, out, args, kwargs)
 
 
-def test_a_fault_in_the_copy_that_writes_the_outvoting_result_into_an_update_op_is_copied_again(batches, clean_at_once):
+def test_a_fault_in_the_copy_that_writes_the_outvoting_result_into_an_update_op_is_copied_again(batches, clean_held):
     """A wrong primary of an out-of-place update op (the zeros AdamW's state starts from), outvoted by the checker and
     the tie-breaker: their result is copied into the primary's output. That copy was not compared with its source, so
     a fault in it wrote a wrong value into the optimizer's state and reported the op repaired."""
@@ -446,7 +437,7 @@ def test_a_fault_in_the_copy_that_writes_the_outvoting_result_into_an_update_op_
                        step=0)
     t, eng, inj = run([wrong_primary, wrong_copy])
     assert [r.phase for r in inj.records] == ["optimizer", "verifier"] and "copy_" in inj.records[1].target
-    assert equal(params(t), clean_at_once)
+    assert equal(params(t), clean_held)
     assert eng.totals["copy_faults"] == 1 and eng.totals["repaired_optimizer"] == 1
 
 

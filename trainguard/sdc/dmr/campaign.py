@@ -73,8 +73,9 @@ def _gather(obj: Any) -> list[Any]:
 def _run(cfg, steps: int, faults: dict[int, list[Fault]], seed: int, count: bool = False, plan=None,
          executor: str = "auto", verifier: bool = False, may_stop: bool = False):
     """One run with DMR on, each rank's ``faults[rank]`` injected; ``count``: count compute ops per (step, phase),
-    the engine's own ops too where ``verifier``. ``may_stop``: a single-process run that stops as a suspected hardware
-    fault returns its message in place of ``detected``."""
+    the engine's own ops too where ``verifier``. Returns the trainer, engine, injector, whether DMR detected a fault,
+    and ``stopped``: with ``may_stop``, the message of a single-process run that stopped as a suspected hardware
+    fault (else None)."""
     trainer = Trainer(cfg, progress=False)
     engine = attach(trainer, DMRConfig(enabled=True, executor=executor), plan=plan)
     injector = None
@@ -90,9 +91,8 @@ def _run(cfg, steps: int, faults: dict[int, list[Fault]], seed: int, count: bool
     except SuspectedHardwareFault as err:
         if not may_stop or trainer.world > 1:  # (other ranks wait in a collective for this one: it cannot go on)
             raise
-        return trainer, engine, injector, str(err)
-    detected = engine.totals["detected"] > 0
-    return trainer, engine, injector, detected
+        return trainer, engine, injector, False, str(err)
+    return trainer, engine, injector, engine.totals["detected"] > 0, None
 
 
 def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
@@ -101,13 +101,13 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     steps, trials, seed = spec["steps"], spec["trials"], spec["seed"]
     executor = spec.get("executor", "auto")
     verifier = spec["phase"] == VERIFIER
-    ref_trainer, ref_engine, counter, fp = _run(cfg, steps, {}, seed, count=True, executor=executor,
+    ref_trainer, ref_engine, counter, fp, _ = _run(cfg, steps, {}, seed, count=True, executor=executor,
                                                 verifier=verifier)
     first, plan = ref_trainer, ref_engine.plan
     if plan is not None:
         # The plan made from a profile depends on measured times, so every run of the campaign follows the
         # reference's plan: then the same ops run in every trial and a drawn site is always reached.
-        ref_trainer, ref_engine, counter, fp2 = _run(cfg, steps, {}, seed, count=True, plan=plan, verifier=verifier,
+        ref_trainer, ref_engine, counter, fp2, _ = _run(cfg, steps, {}, seed, count=True, plan=plan, verifier=verifier,
                                                      executor=executor)
         fp = fp or fp2
     reference = ref_trainer.state_dict_for_compare()
@@ -140,16 +140,15 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
                 site = OpSite("*", "any", occurrence, compute_only=True, verifier=True) if phase == VERIFIER else \
                     OpSite("*", phase, occurrence, compute_only=True)
                 faults.setdefault(frank, []).append(Fault(site, FaultModel("bitflip", field="any"), step=step))
-            trainer, engine, injector, detected = _run(cfg, steps, faults, seed * 1_000_003 + trial, plan=plan,
-                                                       executor=executor, may_stop=True)
-            stopped = detected if isinstance(detected, str) else None
+            trainer, engine, injector, detected, stopped = _run(cfg, steps, faults, seed * 1_000_003 + trial,
+                                                                plan=plan, executor=executor, may_stop=True)
             if stopped is None:
                 state = trainer.state_dict_for_compare()
                 equal = _all(state.keys() == reference.keys() and all(torch.equal(state[k], reference[k])
                                                                       for k in state))
                 detected = _any(detected)
             else:  # (the state is not verified: the trainer refuses to read it)
-                equal = detected = False
+                equal = False
             mine = [r.to_dict() for r in injector.records] if injector is not None and faults.get(rank) else []
             records = [r for rs in _gather(mine) for r in rs]
             outcome = "stopped" if stopped else "detected" if detected else ("masked" if equal else "silent")
