@@ -69,6 +69,10 @@ def test_a_seed_outside_0_to_2_64_is_refused(capsys, argv):
     (["--model.moe_aux_loss_coef", "-1"], "model.moe_aux_loss_coef must be >= 0"),
     (["--sdc.dmr.enabled", "true", "--sdc.dmr.tie_breakers", "0"], "sdc.dmr.tie_breakers must be 1 to 10"),
     (["--sdc.dmr.tie_breakers", "11"], "sdc.dmr.tie_breakers must be 1 to 10"),
+    (["--checkpoint.lock_wait_s", "-1"], "checkpoint.lock_wait_s must be in [0, inf)"),
+    (["--checkpoint.lock_wait_s", "inf"], "checkpoint.lock_wait_s must be a finite number"),
+    (["--checkpoint.lock_wait_s", "nan"], "checkpoint.lock_wait_s must be a finite number"),
+    (["--checkpoint.lock_wait_s", "abc"], "checkpoint.lock_wait_s"),
 ])
 def test_train_settings_out_of_range_are_refused(capsys, place, no_training, override, needle):
     argv = ["train", *TINY_TRAIN, "--data.source", str(place / "corpus.txt"), *override]

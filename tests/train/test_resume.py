@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_cfg
 
 from trainguard.errors import CheckpointError
-from trainguard.train import Trainer
+from trainguard.train import Trainer, run_lock
 from trainguard.train.checkpoint import CheckpointManager
 
 
@@ -119,8 +119,8 @@ def test_resume_step_picks_a_checkpoint_and_sets_later_ones_aside(tmp_path, batc
     Trainer(tiny_cfg(*args), batches=batches).run()
     r = Trainer(tiny_cfg(*args, "--checkpoint.resume", "true", "--checkpoint.resume_step", "2"), batches=batches)
     assert r.step_idx == 2
-    assert sorted(p.name for p in ck.iterdir()) == ["step_00000002", "step_00000004.superseded",
-                                                    "step_00000006.superseded"]
+    assert sorted(p.name for p in ck.iterdir()) == [run_lock.LOCK, run_lock.RANKS_LOCK, "step_00000002",
+                                                    "step_00000004.superseded", "step_00000006.superseded"]
     assert "superseded" in capfd.readouterr().err
     with pytest.raises(CheckpointError, match="resume_step 3: no intact checkpoint of that step"):
         Trainer(tiny_cfg(*args, "--checkpoint.resume", "true", "--checkpoint.resume_step", "3"), batches=batches)

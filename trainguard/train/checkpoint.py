@@ -12,7 +12,9 @@ A folder belongs to one run: every manifest names the ``run_id`` that wrote it. 
 only after a commit, only among the checkpoints of the run that saved, and never removes the one just
 written; a pruned checkpoint is first renamed out of sight (``.del-step_...``) so a process killed while
 deleting never leaves a half-deleted checkpoint that looks committed. A checkpoint of another run is never
-overwritten; replacing one of the same run and step says so.
+overwritten; replacing one of the same run and step says so. While a run uses the folder, its processes are the
+only ones that do (the trainer takes ``run_lock``'s lock first), so the half-written saves a save clears away
+are truly a dead process's.
 
 ``trainer.pt`` holds tensors and plain Python values only and is read with ``torch.load(weights_only=True)``:
 a checkpoint received from someone else cannot run code when it is loaded (checked again at save time, so

@@ -87,11 +87,14 @@ class CheckpointConfig:
     resume: bool = setting(False, help="continue the run whose checkpoints are in dir (from the newest intact one)")
     resume_step: int = setting(-1, help="with resume: continue from the checkpoint of this step (-1: the newest intact one)")
     start_over: bool = setting(False, help="start a new run in a dir that holds another run's checkpoints: they are deleted")
+    lock_wait_s: float = setting(600.0, help="seconds to wait for dir's previous user to exit (another run, or this "
+                                             "run's processes still stopping after a kill) before giving up (0: at once)")
 
     def validate(self) -> CheckpointConfig:
         _at_least("checkpoint.every", self.every, 0)
         _positive("checkpoint.keep", self.keep)
         _at_least("checkpoint.resume_step", self.resume_step, -1)
+        _within("checkpoint.lock_wait_s", self.lock_wait_s, 0, math.inf)  # (NaN and inf refused)
         if self.resume and not self.dir:
             raise ConfigError("checkpoint.resume is true but checkpoint.dir is empty")
         if self.start_over and not self.dir:
@@ -263,7 +266,7 @@ RUN_IDENTITY_SECTIONS = ("model", "data")
 RUN_IDENTITY_KEYS = ("train.seed",)
 EXECUTION_ONLY = ("model.attention",)  # same mathematics, another kernel
 SCHEDULE_KEYS = ("train.steps", "train.lr", "train.warmup_ratio", "train.min_lr_ratio")
-NOT_COMPARED = ("checkpoint.resume", "checkpoint.resume_step", "checkpoint.start_over")
+NOT_COMPARED = ("checkpoint.resume", "checkpoint.resume_step", "checkpoint.start_over", "checkpoint.lock_wait_s")
 
 Change = tuple[str, Any, Any]  # (dotted key, saved value, new value)
 

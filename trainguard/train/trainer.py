@@ -45,6 +45,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -56,7 +57,7 @@ from trainguard.data import PackedBatches
 from trainguard.errors import CheckpointError, ConfigError, StepAborted, SuspectedHardwareFault, TrainguardError
 from trainguard.models import build_model, lm_loss
 from trainguard.train import checkpoint as ckpt_mod
-from trainguard.train import garbage
+from trainguard.train import garbage, run_lock
 from trainguard.train import snapshot as snap_mod
 from trainguard.train.activation_checkpoint import apply_activation_checkpointing
 from trainguard.train.checkpoint import CheckpointManager
@@ -217,10 +218,16 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.autocast_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
         self.tokens_per_step = self.batches.batch_size * self.batches.seq_len  # global
+        self._unlock: weakref.finalize | None = None  # (checkpoint.dir's lock, held while this trainer lives)
         self.ckpt = (CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep, run_id=self.run_id, note=self._note)
                      if cfg.checkpoint.dir else None)
         if self.ckpt is not None:
-            self._open_checkpoint_dir()
+            try:
+                self._open_checkpoint_dir()
+            except BaseException:
+                if self._unlock is not None:  # (no trainer: the folder is free again at once, not when collected)
+                    self._unlock()
+                raise
 
     # ---- properties and seams ------------------------------------------------------------------
     @property
@@ -594,8 +601,22 @@ class Trainer:
         """Decide, on the main rank, what this run does with ``checkpoint.dir`` (new run, start over, resume
         which checkpoint) and apply it on every rank. One-line CheckpointError when the folder holds another
         run's checkpoints, no intact one, or one whose config differs in the run's shape or data."""
-        plan = self._plan_checkpoint_dir(apply=True) if self.is_main else None
+        # one live run per folder (see run_lock): a strategy whose ranks decide alone (elastic replicas, which come
+        # and go in one folder by design) is not locked
+        locking = self.world == 1 or self.strategy.spans_default_group()
+        plan = None
+        if self.is_main:
+            try:
+                if locking:
+                    run_lock.acquire_main(self.ckpt.dir, self.cfg.checkpoint.lock_wait_s, self._note)
+                    self._unlock = weakref.finalize(self, run_lock.release, self.ckpt.dir)
+                plan = self._plan_checkpoint_dir(apply=True)
+            except CheckpointError as err:  # (every rank learns it: the others wait in the broadcast)
+                plan = {"error": str(err)}
         plan = self.strategy.broadcast_object(plan)
+        if locking and not self.is_main and not (plan or {}).get("error"):
+            run_lock.acquire_rank(self.ckpt.dir)
+            self._unlock = weakref.finalize(self, run_lock.release, self.ckpt.dir)
         if plan is None:  # a strategy whose ranks decide alone (elastic replicas): read-only, the writer decides
             plan = self._plan_checkpoint_dir(apply=False)
         if not self.strategy.spans_default_group() and self.world > 1:
@@ -811,7 +832,9 @@ class Trainer:
         return out
 
     def close(self) -> None:
-        """Tear down the process groups this trainer's strategy created."""
+        """Tear down the process groups this trainer's strategy created, and let go of ``checkpoint.dir``."""
+        if getattr(self, "_unlock", None) is not None:
+            self._unlock()
         self.strategy.close()
 
 

@@ -1,0 +1,175 @@
+"""One live run per checkpoint folder (``trainguard.train.run_lock``): a second run, or a restart while the killed
+run's processes are still stopping, waits for them and is told who holds the folder; past
+``checkpoint.lock_wait_s`` it stops in one line and nothing in the folder is touched."""
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_cfg
+
+from trainguard.errors import CheckpointError
+from trainguard.train import Trainer, run_lock
+from trainguard.train.checkpoint import CheckpointManager
+
+HERE = os.path.dirname(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def _holder(body: str) -> subprocess.Popen:
+    """A Python process running ``body`` (with tiny_cfg, Trainer and run_lock imported); it prints "ready" when it
+    holds what it should."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {HERE!r})
+        from conftest import tiny_cfg
+        from trainguard.train import Trainer, run_lock
+    """) + textwrap.dedent(body)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", proc.stderr.read()[-2000:]
+    return proc
+
+
+def _steps(ck: Path) -> list[int]:
+    return [s for s, _ in CheckpointManager(ck).checkpoints()]
+
+
+def test_a_second_run_is_refused_while_the_first_holds_the_folder_and_deletes_nothing(tmp_path, batches):
+    ck = tmp_path / "ck"
+    first = _holder(f"""
+        t = Trainer(tiny_cfg("--checkpoint.dir", {str(ck)!r}))
+        t.run(2)
+        print("ready", flush=True)
+        time.sleep(120)
+    """)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointError, match=rf"checkpoint.dir .* is in use .*pid {first.pid}.* after waiting 0.5 s"):
+            Trainer(tiny_cfg("--checkpoint.dir", str(ck), "--checkpoint.start_over", "true",
+                             "--checkpoint.lock_wait_s", "0.5"), batches=batches)
+        assert time.monotonic() - t0 >= 0.5
+        assert _steps(ck) == [2]  # start_over would have deleted the running run's checkpoint
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    # a process killed outright leaves nothing locked: the kernel released its lock
+    t = Trainer(tiny_cfg("--checkpoint.dir", str(ck), "--checkpoint.resume", "true", "--checkpoint.lock_wait_s", "0"),
+                batches=batches)
+    assert t.step_idx == 2
+    t.close()
+
+
+def test_a_restart_waits_for_the_stopping_processes_and_resumes_from_what_they_saved(tmp_path, batches, capfd):
+    """The killed launcher's workers finish their step and save after it is gone; a run restarted at once resumes
+    from that checkpoint (step 3), not from the one before it (step 2), and ends bitwise equal to a run that was
+    never stopped. Without the lock it resumes from step 2 while they are still writing."""
+    ck = tmp_path / "ck"
+    old = _holder(f"""
+        t = Trainer(tiny_cfg("--checkpoint.dir", {str(ck)!r}, "--train.steps", "5"))
+        t.run(2)
+        print("ready", flush=True)
+        time.sleep(1.5)               # (the step it is in when its launcher is killed, made long)
+        t.train_step()
+        t.save_checkpoint()           # what it saves while stopping
+    """)
+    resumed = Trainer(tiny_cfg("--checkpoint.dir", str(ck), "--train.steps", "5", "--checkpoint.resume", "true",
+                               "--checkpoint.lock_wait_s", "120"), batches=batches)
+    assert old.wait(timeout=60) == 0, old.stderr.read()[-2000:]
+    err = capfd.readouterr().err
+    assert f"is in use (pid {old.pid}" in err and "is free: this run goes on" in err, err[-2000:]
+    assert resumed.step_idx == 3
+    resumed.run()
+    clean = Trainer(tiny_cfg("--train.steps", "5"), batches=batches)
+    clean.run()
+    a, b = resumed.state_dict_for_compare(), clean.state_dict_for_compare()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    resumed.close()
+
+
+def test_a_run_waits_for_every_rank_of_the_previous_one_not_only_its_main_process(tmp_path, batches):
+    """The previous launch's main rank has exited, one of its other ranks has not (ranks stop in any order)."""
+    ck = tmp_path / "ck"
+    rank = _holder(f"""
+        import os
+        os.makedirs({str(ck)!r}, exist_ok=True)
+        run_lock.acquire_rank({str(ck)!r})
+        print("ready", flush=True)
+        time.sleep(1.5)
+    """)
+    t = Trainer(tiny_cfg("--checkpoint.dir", str(ck), "--checkpoint.lock_wait_s", "60"), batches=batches)
+    assert rank.poll() is not None  # (constructed only once that rank had gone)
+    t.close()
+
+
+def test_trainers_of_one_process_share_the_folder_and_close_lets_it_go(tmp_path, batches):
+    ck = tmp_path / "ck"
+    first = Trainer(tiny_cfg("--checkpoint.dir", str(ck)), batches=batches)
+    first.run(2)
+    second = Trainer(tiny_cfg("--checkpoint.dir", str(ck), "--checkpoint.resume", "true",
+                              "--checkpoint.lock_wait_s", "0"), batches=batches)
+    assert second.step_idx == 2
+    probe = [sys.executable, "-c", f"from trainguard.train import run_lock; run_lock.acquire_main({str(ck)!r}, 0, print)"]
+    busy = subprocess.run(probe, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert busy.returncode != 0 and "is in use" in busy.stderr, busy.stderr[-2000:]
+    first.close()
+    assert run_lock.held(ck)  # (the second trainer still uses it)
+    second.close()
+    assert not run_lock.held(ck)
+    free = subprocess.run(probe, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert free.returncode == 0, free.stderr[-2000:]
+
+
+def test_a_trainer_that_fails_to_open_the_folder_lets_it_go_at_once(tmp_path, batches):
+    ck = tmp_path / "ck"
+    first = Trainer(tiny_cfg("--checkpoint.dir", str(ck)), batches=batches)
+    first.run(1)
+    first.close()
+    with pytest.raises(CheckpointError, match="holds checkpoints of another run"):
+        Trainer(tiny_cfg("--checkpoint.dir", str(ck)), batches=batches)
+    assert not run_lock.held(ck)
+
+
+def test_a_file_system_without_locks_is_named_and_the_run_goes_on(tmp_path, batches, monkeypatch, capfd):
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
+    t = Trainer(tiny_cfg("--checkpoint.dir", str(tmp_path / "ck")), batches=batches)
+    t.run(1)
+    assert "cannot be locked on this file system" in capfd.readouterr().err
+    t.close()
+
+
+def test_a_pipeline_run_in_a_folder_in_use_stops_on_every_rank_in_one_line(tmp_path):
+    ck = tmp_path / "ck"
+    holder = _holder(f"""
+        run_lock.acquire_main({str(ck)!r}, 0, print)
+        print("ready", flush=True)
+        time.sleep(120)
+    """)
+    try:
+        argv = [sys.executable, "-m", "trainguard", "train", "--distributed.pp", "2", "--model.n_layers", "2",
+                "--data.max_bytes", "200000", "--data.seq_len", "32", "--train.steps", "2", "--train.eval_every", "0",
+                "--output.dir", "", "--output.progress", "false", "--checkpoint.dir", str(ck),
+                "--checkpoint.lock_wait_s", "1"]
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=180,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("trainguard: error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and f"is in use by another run, or by this run's processes still stopping (pid {holder.pid})" \
+        in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not _steps(ck)

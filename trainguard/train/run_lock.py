@@ -1,0 +1,185 @@
+"""One live run per checkpoint folder.
+
+A run's processes can outlive the process that launched them: killed outright (SIGKILL, the OOM killer), the
+launcher cannot stop its workers, and they finish their step and save a checkpoint after it is gone (see
+``launch.py``). A scheduler that restarts the run at once then has two generations in one folder: each one's
+save deletes the other's half-written checkpoint as debris of a dead process, both commit and prune, the new one
+may resume from a checkpoint older than the one the old one is about to write, and on a GPU the new one competes
+for the memory the old one still holds. Two different runs pointed at one folder (``start_over`` deleting the
+checkpoints of a run still writing them) are the same race by mistake.
+
+So the folder is locked while a run uses it. The main rank holds ``.lock`` exclusively; the other ranks hold
+``.lock.ranks`` shared (a launch's ranks may stop in any order). A new run's main rank takes ``.lock``, then waits
+until ``.lock.ranks`` is free too (every rank of the previous run has exited), then lets its own ranks take it.
+It waits up to ``checkpoint.lock_wait_s``, saying once who holds the folder; past that the run stops with a
+one-line :class:`~trainguard.errors.CheckpointError` and nothing in the folder is touched. Locks are
+``flock(2)`` locks, released by the kernel however the process ends, so a crashed run never leaves the folder
+locked. Within one process the folder is taken once (a later trainer of the same process shares it). Where the
+file system has no ``flock`` (some network mounts), the run says so and goes on unprotected.
+
+Relies on the standard library (``fcntl``, ``os``).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from trainguard.errors import CheckpointError
+
+LOCK = ".lock"
+RANKS_LOCK = ".lock.ranks"
+_POLL_S = 0.1
+_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
+
+# folder (real path) -> [open lock files, holders]: what this process holds, and how many trainers share it
+_held: dict[str, list] = {}
+
+
+def _key(directory: Path) -> str:
+    return os.path.realpath(directory)
+
+
+def _who(directory: Path) -> str:
+    """The processes named in the folder's lock files that are still alive (on this host), for the message."""
+    names = []
+    for name in (LOCK, RANKS_LOCK):
+        try:
+            lines = (directory / name).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            pid, _, rest = line.partition(" ")
+            host = rest.split(" ", 1)[0]
+            if not pid.isdigit():
+                continue
+            if host == socket.gethostname():
+                try:
+                    os.kill(int(pid), 0)
+                except ProcessLookupError:
+                    continue
+                except PermissionError:
+                    pass
+            names.append(f"pid {pid}" + ("" if host == socket.gethostname() else f" on {host}"))
+    return ", ".join(dict.fromkeys(names)) or "a process that did not say who it is"
+
+
+def _take(fd: int, directory: Path, deadline: float, wait_s: float, note: Callable[[str], None],
+          told: list[bool]) -> bool:
+    """flock ``fd`` exclusively by ``deadline`` (``time.monotonic``; False: the file system cannot lock)."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        except OSError as err:
+            if err.errno in _UNSUPPORTED:
+                return False
+            raise
+        if time.monotonic() >= deadline:
+            raise CheckpointError(
+                f"checkpoint.dir {directory} is in use by another run, or by this run's processes still stopping "
+                f"({_who(directory)}){f' after waiting {wait_s:g} s' if wait_s else ''}: stop it first, or choose another "
+                "checkpoint.dir (checkpoint.lock_wait_s waits longer)")
+        if not told[0]:
+            note(f"checkpoint.dir {directory} is in use ({_who(directory)}: another run, or this run's processes still "
+                 f"stopping); waiting up to {wait_s:g} s for it to be free")
+            told[0] = True
+        time.sleep(_POLL_S)
+
+
+def _stamp(fd: int, truncate: bool) -> None:
+    """Write this process into a lock file (for the message a waiting run prints)."""
+    line = f"{os.getpid()} {socket.gethostname()} {' '.join(sys.argv)[:300]}\n".encode()
+    if truncate:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, line, 0)
+    else:
+        os.write(fd, line)
+
+
+def _open(path: Path, append: bool = False) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | (os.O_APPEND if append else 0), 0o644)
+
+
+def acquire_main(directory: str | Path, wait_s: float, note: Callable[[str], None]) -> None:
+    """The main rank's side: the folder for this run, once every process of its previous user has exited.
+    One-line CheckpointError when that takes longer than ``wait_s`` seconds."""
+    directory = Path(directory)
+    key = _key(directory)
+    if key in _held:
+        _held[key][1] += 1
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = _open(directory / LOCK)
+    ranks = _open(directory / RANKS_LOCK)
+    told, deadline = [False], time.monotonic() + wait_s
+    try:
+        ok = _take(fd, directory, deadline, wait_s, note, told) and _take(ranks, directory, deadline, wait_s, note, told)
+    except BaseException:
+        os.close(fd)
+        os.close(ranks)
+        raise
+    if not ok:
+        os.close(fd)
+        os.close(ranks)
+        note(f"warning: checkpoint.dir {directory} cannot be locked on this file system: a second run using it "
+             "at the same time would not be noticed")
+        return
+    if told[0]:
+        note(f"checkpoint.dir {directory} is free: this run goes on")
+    _stamp(fd, truncate=True)
+    os.ftruncate(ranks, 0)  # (every rank named there has exited)
+    fcntl.flock(ranks, fcntl.LOCK_UN)  # the ranks of this run take it shared next
+    os.close(ranks)
+    _held[key] = [[fd], 1]
+
+
+def acquire_rank(directory: str | Path) -> None:
+    """A non-main rank's side, after the main rank holds the folder: hold ``.lock.ranks`` shared."""
+    directory = Path(directory)
+    key = _key(directory)
+    if key in _held:
+        _held[key][1] += 1
+        return
+    fd = _open(directory / RANKS_LOCK, append=True)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CheckpointError(f"checkpoint.dir {directory} is in use by another run ({_who(directory)})") from None
+    except OSError as err:
+        os.close(fd)
+        if err.errno in _UNSUPPORTED:
+            return
+        raise
+    _stamp(fd, truncate=False)
+    _held[key] = [[fd], 1]
+
+
+def release(directory: str | Path) -> None:
+    """One trainer of this process is done with the folder; the last one unlocks it."""
+    key = _key(Path(directory))
+    entry = _held.get(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _held[key]
+        for fd in entry[0]:
+            try:
+                os.close(fd)  # (closing the last descriptor releases the flock)
+            except OSError:
+                pass
+
+
+def held(directory: str | Path) -> bool:
+    """Whether this process holds ``directory``'s lock."""
+    return _key(Path(directory)) in _held
