@@ -173,3 +173,16 @@ def test_a_pipeline_run_in_a_folder_in_use_stops_on_every_rank_in_one_line(tmp_p
         in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not _steps(ck)
+
+
+def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path, batches, monkeypatch):
+    real = os.open
+
+    def refused(path, flags, *args, **kwargs):  # (os.open itself: only the folder's lock file is refused)
+        if str(path).endswith(f"/{run_lock.LOCK}"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(run_lock.os, "open", refused)
+    with pytest.raises(CheckpointError, match=r"cannot open its lock file \.lock \(Permission denied\)"):
+        Trainer(tiny_cfg("--checkpoint.dir", str(tmp_path / "ck")), batches=batches)

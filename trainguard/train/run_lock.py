@@ -106,7 +106,11 @@ def _stamp(fd: int, truncate: bool) -> None:
 
 
 def _open(path: Path, append: bool = False) -> int:
-    return os.open(path, os.O_RDWR | os.O_CREAT | (os.O_APPEND if append else 0), 0o644)
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | (os.O_APPEND if append else 0), 0o644)
+    except OSError as err:  # (another user's lock file, a read-only mount)
+        raise CheckpointError(f"checkpoint.dir {path.parent}: cannot open its lock file {path.name} "
+                              f"({err.strerror or err})") from None
 
 
 def acquire_main(directory: str | Path, wait_s: float, note: Callable[[str], None]) -> None:
@@ -119,7 +123,11 @@ def acquire_main(directory: str | Path, wait_s: float, note: Callable[[str], Non
         return
     directory.mkdir(parents=True, exist_ok=True)
     fd = _open(directory / LOCK)
-    ranks = _open(directory / RANKS_LOCK)
+    try:
+        ranks = _open(directory / RANKS_LOCK)
+    except CheckpointError:
+        os.close(fd)
+        raise
     told, deadline = [False], time.monotonic() + wait_s
     try:
         ok = _take(fd, directory, deadline, wait_s, note, told) and _take(ranks, directory, deadline, wait_s, note, told)
