@@ -2,13 +2,17 @@
 
     python -m torch.distributed.run --nproc_per_node=N _dist_worker.py OUT MODE [--section.key value ...]
 
-MODE is ``clean``, ``stock`` (pipeline: torch's Schedule1F1B instead of ours), ``windows`` (count the
-waits our schedule exposes), ``stop:K`` (train K steps, then stop: the checkpoint at K is written),
-``retry:R:K:before`` (rank R asks for a retry of step K after a NaN was injected into one of its backward
-products: the guard acts before the update) or ``retry:R:K:after`` (a NaN in rank R's gradient after the
-gradient sync, seen by a guard after the update), or ``abft:L`` (ABFT on, one NaN in layer L's scores at
-step 1). Each rank writes ``OUT/rank{r}.pt``: parameters and optimizer state, per-step losses and
-attempts, the run summary and ABFT counters.
+MODE is ``clean``, ``stock`` (pipeline: torch's Schedule1F1B instead of ours), ``windows`` (count the waits our
+schedule exposes), ``stop:K`` (train K steps, then stop: the checkpoint at K is written), ``retry:R:K:before`` (rank
+R asks for a retry of step K after a NaN was injected into one of its backward products: the guard acts before the
+update) or ``retry:R:K:after`` (a NaN in rank R's gradient after the gradient sync, seen by a guard after the
+update), or ``abft:L`` (ABFT on, one NaN in layer L's scores at step 1), or ``suspect:R:K:STAGE`` (a guard on rank R
+stops the run as suspected hardware at step K, raising from its look at STAGE: before, after; settle: a state hook,
+when the state is read at step_idx K) or ``dmrstop:R:K:OP:N`` (DMR on, N faults in rank R's verifier executions
+of OP at step K, each writing a value of its own: no two executions agree) or ``campaignstop`` (a DMR campaign of
+two trials, the first of which stops on rank 1). Each rank writes
+``OUT/rank{r}.pt``: parameters and optimizer state, per-step losses and attempts, the run summary and ABFT counters,
+and (the stop modes) how the run stopped on that rank.
 """
 
 import sys
@@ -17,6 +21,7 @@ import torch
 
 from tests.sdc.dmr._spy import spy_mismatches
 from trainguard.config import load_config
+from trainguard.errors import SuspectedHardwareFault
 from trainguard.faults import Fault, FaultModel, Injector, ModuleSite, OpSite, ProductSite, TensorSite
 from trainguard.sdc.runtime import attach_from_config
 from trainguard.train import StepGuard, Trainer, Verdict
@@ -64,7 +69,34 @@ class RetryOnRank(StepGuard):
         return self._look(ctx, list(ctx.trainer.model.parameters()))
 
 
+class StopOnRank(StepGuard):
+    """Registered on every rank; rank R raises SuspectedHardwareFault from its look at step K (``stops_after_update``:
+    the look after the update, as a guard that kept a stop found in the middle of it). Every rank records the
+    ``on_stop`` calls it gets."""
+
+    name = "stop-on-rank"
+
+    def __init__(self, rank, step, stage):
+        self.rank, self.step, self.stage, self.heard = rank, step, stage, []
+        self.stops_after_update = stage == "after"
+
+    def _look(self, ctx, stage):
+        if ctx.trainer.rank == self.rank and ctx.step == self.step and stage == self.stage:
+            raise SuspectedHardwareFault(f"test: rank {self.rank} stops at step {self.step} ({stage} the update)")
+        return Verdict.commit()
+
+    def before_update(self, ctx):
+        return self._look(ctx, "before")
+
+    def after_update(self, ctx):
+        return self._look(ctx, "after")
+
+    def on_stop(self, ctx, verdict):
+        self.heard.append((ctx.step, verdict.rank, verdict.action.name, verdict.reason))
+
+
 trainer.callbacks.append(Log())
+halt: dict = {}  # how the run stopped (the stop modes)
 
 
 def flip(site, step) -> Injector:
@@ -123,6 +155,23 @@ elif mode.startswith("dmragc:"):  # dmragc:R:K: a bit flip at step K in rank R's
 elif mode.startswith("dmrwin:"):  # dmrwin:R:K:KIND: a bit flip at step K in rank R's first op that the plan
     # (made in step 0) defers into a window of KIND (pp, dp); run by train_step(), as dmrloop
     _, win_rank, win_step, win_kind = mode.split(":")
+elif mode.startswith("suspect:"):
+    _, rank, step, stage = mode.split(":")
+    stopper = StopOnRank(int(rank), int(step), stage)
+    trainer.add_guard(stopper)
+    if stage == "settle":  # rank R's pending checks fail when the state is read at step_idx K (an evaluation)
+
+        def pending_check_fails(event, rank=int(rank), step=int(step)):
+            if trainer.rank == rank and trainer.step_idx == step and event == "read":
+                raise SuspectedHardwareFault(f"test: rank {rank} stops at step {step} (settle the update)")
+
+        trainer.add_state_hook(pending_check_fails)
+elif mode.startswith("dmrstop:"):
+    _, rank, step, op, n = mode.split(":")
+    if trainer.rank == int(rank):
+        faults = [Fault(OpSite(op, "any", k, verifier=True), FaultModel("value", value=(-3.0) ** k * 1e6), step=int(step))
+                  for k in range(int(n))]
+        injector = Injector(faults, seed=3).attach(trainer)
 elif mode.startswith("abft:"):
     layer = int(mode.split(":")[1])
     # (row 1, column 1) of the first head's scores: kept by the causal mask
@@ -201,6 +250,35 @@ elif mode.startswith("dmrloop:"):
         trainer.train_step()
     trainer.settle()  # on every rank, as a checkpoint or an evaluation would
     summary = None
+elif mode == "campaignstop":  # a two-trial DMR campaign whose first trial stops as suspected hardware on rank 1
+    from trainguard.sdc.dmr import campaign
+
+    real_run, trials = campaign._run, []
+
+    def first_trial_stops(cfg_, steps_, faults, seed, **kw):
+        if kw.get("may_stop"):  # (a trial, not a reference run)
+            if not trials:  # the first: the faults of dmrstop:1:1:aten._foreach_mul_*:4 instead of the drawn ones
+                faults = {1: [Fault(OpSite("aten._foreach_mul_*", "any", k, verifier=True),
+                                    FaultModel("value", value=(-3.0) ** k * 1e6), step=1) for k in range(4)]}
+            trials.append(seed)
+        return real_run(cfg_, steps_, faults, seed, **kw)
+
+    campaign._run = first_trial_stops
+    halt["campaign"] = campaign.run_rank({"overrides": overrides, "trials": 2, "seed": 5, "phase": "backward",
+                                          "steps": 2, "model": cfg.model.preset})
+    summary = None
+elif mode.startswith(("suspect:", "dmrstop:")):  # every rank must stop, none left waiting for the failing one
+    try:
+        trainer.run(n_steps)
+    except SuspectedHardwareFault as err:
+        halt["message"], halt["step"] = str(err), trainer.step_idx
+    try:  # (a stopped run's state is not verified: reading it is refused)
+        trainer.state_dict_for_compare()
+    except SuspectedHardwareFault as err:
+        halt["refused"] = str(err)
+    halt["heard"] = stopper.heard if "stopper" in globals() else None
+    halt["fired"] = len(injector.records) if "injector" in globals() else 0
+    summary = None
 else:
     summary = trainer.run(n_steps)
 trainer.close()
@@ -211,7 +289,8 @@ fired = bool(mode.startswith(("abft:", "dmr:", "dmrmany:", "dmrocc:", "dmrloop:"
              and injector.records)
 dmr = handles.get("dmr")
 sched = getattr(trainer.strategy, "schedule", None)
-torch.save({"state": trainer.state_dict_for_compare(), "steps": steps, "summary": summary.to_dict() if summary else {},
+torch.save({"state": {} if halt.get("message") else trainer.state_dict_for_compare(), "steps": steps, "stop": halt,
+            "summary": summary.to_dict() if summary else {},
             "abft": abft,
             "fired": fired, "rank": trainer.rank, "waits": waits,
             "dmr": dict(dmr.totals) if dmr else {}, "dmr_coverage": dmr.coverage_report()["coverage"] if dmr else None,

@@ -5,6 +5,7 @@ DDP retries are checked here too (same worker)."""
 
 import atexit
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -131,6 +132,25 @@ def test_pipeline_retry_of_one_stage_is_bitwise_equal_to_clean(tmp_path, clean_p
     got = run_dist(tmp_path, "retry", 2, f"retry:1:2:{when}", *PP)
     assert [s["attempts"] for s in got[0]["steps"]] == [1, 1, 2, 1]  # both stages re-executed step 2
     assert_bitwise(got, clean_pp2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["before", "after", "settle"])
+def test_a_guard_that_stops_the_run_on_one_stage_stops_every_stage_at_the_same_step(tmp_path, stage):
+    """A guard on stage 1 raises SuspectedHardwareFault from its look at step 2. The other stage waited for it in the
+    verdict's reduction and, once stage 1's process was gone, failed with gloo's "Connection reset by peer" (a
+    RuntimeError, not a stop: a campaign or a launcher saw a crash). The raise is a SUSPECT verdict now, reduced like
+    any other: both stages stop at step 2, the failing one with its own error, the other with one that names it, and
+    every guard hears of it first (``on_stop``). ``settle``: the checks still pending on stage 1 when the evaluation
+    after step 1 reads the state (a held check of the update) stop the run; ``run()`` settles every rank at once
+    there, so stage 0 stops too instead of waiting in the evaluation's transfers."""
+    got = run_dist(tmp_path, "suspect", 2, f"suspect:1:2:{stage}", *PP)
+    own = f"test: rank 1 stops at step 2 ({stage} the update)"
+    assert got[1]["stop"]["message"] == own
+    assert got[0]["stop"]["message"] == f"rank 1 stopped the run: {own}"
+    for r in got:
+        assert r["stop"]["step"] == 2 and [s["step"] for s in r["steps"]] == [0, 1]  # (step 2 never committed)
+        assert r["stop"]["heard"] == [(2, 1, "SUSPECT", own)]
 
 
 @pytest.mark.slow
@@ -416,6 +436,55 @@ def test_dmr_faults_in_gradient_averaging_and_clipping_list_ops_are_retried_and_
     assert got[1]["fired"] and got[1]["dmr"]["detected"] == 1 and got[1]["dmr"]["repaired_optimizer"] == 1
     assert all([s["attempts"] for s in r["steps"]] == [2, 1, 1, 1] for r in got)
     assert_bitwise(got, clean_pp2)
+
+
+@pytest.mark.slow
+def test_dmr_an_update_op_no_two_executions_agree_on_stops_both_stages_none_left_waiting(tmp_path):
+    """Four faults on stage 1, in the checker and the three tie-breakers of one piece of the clipping's
+    ``_foreach_mul_`` (step 1, checked at once in the update stage): no two of five executions agree, so the run stops
+    as suspected hardware. The engine raised there, in the middle of the update, while stage 0 went on to wait for
+    stage 1 in a collective, and failed with gloo's "Connection reset by peer" once stage 1's process was gone. On
+    several ranks the engine keeps the stop, the update finishes, and the guard's look after it stops both stages at
+    step 1; neither lets its state be read."""
+    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.optimizer_chunk_mb", "0.01"]
+    got = run_dist(tmp_path, "stop", 2, "dmrstop:1:1:aten._foreach_mul_*:4", *PP, *dmr)
+    assert got[1]["stop"]["fired"] == 4
+    own = got[1]["stop"]["message"]
+    assert re.match(r"5 executions of aten\._foreach_mul_\S* in the update stage of step 1 all differ", own), own
+    assert got[0]["stop"]["message"] == f"rank 1 stopped the run: {own}"
+    for r in got:
+        assert r["stop"]["step"] == 1 and "the model state is not verified since the run stopped" in r["stop"]["refused"]
+
+
+@pytest.mark.slow
+def test_dmr_campaign_on_two_stages_counts_a_trial_that_stops_and_goes_on(tmp_path):
+    """A two-stage campaign's trial whose run stopped as suspected hardware on one stage ended the whole campaign (the
+    other stage crashed in a collective). Its first trial gets the four faults of the test above: it is counted
+    ``stopped`` on both stages, and the second trial runs and ends bitwise equal to the fault-free run."""
+    got = run_dist(tmp_path, "campaign", 2, "campaignstop", *PP)
+    for r in got:
+        res = r["stop"]["campaign"]
+        assert res["trials"] == 2 and res["stopped"] == 1 and res["silent"] == 0 and res["false_positives"] == 0
+        first, second = res["results"]
+        assert first["outcome"] == "stopped" and not first["bitwise_equal"]
+        assert re.search(r"5 executions of aten\._foreach_mul_\S* in the update stage of step 1 all differ",
+                         first["stopped"])
+        assert second["outcome"] == "detected" and second["bitwise_equal"] and res["rollback_bitwise_equal"] == 1
+
+
+@pytest.mark.slow
+def test_dmr_a_held_update_check_no_two_executions_agree_on_stops_both_stages_at_the_next_verdict(tmp_path):
+    """The fused AdamW of step 2 is checked in step 3's windows (``hold_update``): four faults on stage 1, in its
+    checker and the three tie-breakers, leave no two executions agreeing. The stop comes at step 3's verdict, on both
+    stages (stage 1's raise is a SUSPECT verdict in the reduction stage 0 waits in)."""
+    got = run_dist(tmp_path, "held", 2, "dmrstop:1:3:aten._fused_adamw_*:4", *PP, "--sdc.dmr.enabled", "true")
+    assert got[1]["stop"]["fired"] == 4
+    own = got[1]["stop"]["message"]
+    assert re.match(r"5 executions of aten\._fused_adamw_\S* in the update stage of step 2 all differ", own), own
+    assert got[0]["stop"]["message"] == f"rank 1 stopped the run: {own}"
+    for r in got:
+        assert r["stop"]["step"] == 3 and [s["step"] for s in r["steps"]] == [0, 1, 2]
+        assert "the model state is not verified since the run stopped" in r["stop"]["refused"]
 
 
 @pytest.mark.slow

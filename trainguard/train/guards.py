@@ -14,6 +14,14 @@ every component registered with ``Trainer.register_state``. Retries are bounded
 one step is reported as suspected persistent hardware (:class:`~trainguard.errors.SuspectedHardwareFault`,
 exit code 3): re-executing on the same device will not help.
 
+A guard may also stop the run itself, as suspected persistent hardware: by raising
+:class:`~trainguard.errors.SuspectedHardwareFault` from a look (a stop found in the middle of the update, where
+the other ranks may be in a collective, is kept until the guard's next look: ``stops_after_update``). On one
+process the error propagates. On several ranks a raise on one rank would leave
+the others waiting in the next collective for it, so the trainer turns it into a ``SUSPECT`` verdict, reduces it
+like any other, and every rank stops at the same point: the failing rank with its own error, the others with
+one that names it (every guard's :meth:`StepGuard.on_stop` is called first).
+
 Writing a guard::
 
     class FiniteLoss(StepGuard):
@@ -48,6 +56,7 @@ class Action(enum.IntEnum):
     COMMIT = 0
     RETRY = 1
     ABORT = 2
+    SUSPECT = 3  # a rank stopped the run as suspected persistent hardware: every rank stops with it
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,11 @@ class Verdict:
     @classmethod
     def abort(cls, site: str, reason: str = "") -> Verdict:
         return cls(Action.ABORT, site, reason)
+
+    @classmethod
+    def suspect(cls, site: str, reason: str) -> Verdict:
+        """This rank stopped the run as suspected persistent hardware (``reason``: the error's message)."""
+        return cls(Action.SUSPECT, site, reason)
 
     @property
     def ok(self) -> bool:
@@ -119,11 +133,17 @@ class StepGuard:
     ``inspects_update``: whether :meth:`after_update` looks at anything. When no registered guard does, a
     retry never needs to roll the optimizer back, so the trainer does not snapshot parameters and
     optimizer state at all.
+
+    ``stops_after_update``: on several ranks, :meth:`after_update` is called (and reduced over every rank: one
+    small collective a step) even without ``inspects_update``, but may only commit or stop the run: a guard that
+    defers a stop found in the middle of the update (where the other ranks are in a collective) reports it there.
+    It keeps no snapshot, so it cannot ask for a retry from there.
     """
 
     name: str = "guard"
     inspects_update: bool = False
     may_rewind: bool = False  # asks for rewinds (Verdict.rewind): the trainer then records each step's start
+    stops_after_update: bool = False
 
     def on_step_start(self, ctx: StepContext) -> None:
         """Called before every attempt of a step (reset per-attempt counters here)."""
@@ -152,6 +172,10 @@ class StepGuard:
 
     def on_commit(self, ctx: StepContext) -> None:
         """Called once the step is committed."""
+
+    def on_stop(self, ctx: StepContext, verdict: Verdict) -> None:
+        """Called on every rank when rank ``verdict.rank`` stopped the run as suspected persistent hardware
+        (``Action.SUSPECT``), before the trainer raises: mark what this rank holds as not to be trusted."""
 
 
 def worst(verdicts: list[Verdict]) -> Verdict:

@@ -49,7 +49,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -185,6 +185,7 @@ class Trainer:
         # rewind verdict goes back to (a guard's check of that step ran after its update and failed)
         self._prev: tuple[int, StepStart, dict[str, Any]] | None = None
         self._redoing = False
+        self._stop_error: SuspectedHardwareFault | None = None  # this rank's, while its SUSPECT verdict is reduced
         self._run_end: int | None = None  # the step run() stops at (None outside run())
         if cfg.checkpoint.resume and not cfg.checkpoint.dir:
             raise ConfigError("checkpoint.resume is true but checkpoint.dir is empty")
@@ -266,6 +267,24 @@ class Trainer:
         for fn in list(self.state_hooks):
             fn(event)
 
+    def _settle_together(self) -> None:
+        """:meth:`settle` where every rank settles at once (in :meth:`run`: before an evaluation, a checkpoint and
+        at the end). A stop found while settling on one rank (a held check of the last update) is reduced like a
+        guard's, so the others stop with it rather than wait for it in the evaluation's or the checkpoint's
+        collective. A collective on every rank of a run whose guards or state hooks could stop it."""
+        if self.world == 1 or not (self.guards and self.state_hooks) or not self.strategy.spans_default_group():
+            self.settle()
+            return
+        local = Verdict.commit()
+        try:
+            self.settle()
+        except SuspectedHardwareFault as err:
+            self._stop_error = err
+            local = Verdict(Action.SUSPECT, "settle", str(err), "settle", self.rank)
+        verdicts = self.strategy.reduce_verdicts(self, local)
+        if verdicts:
+            self._stop_together(StepContext(self, self.step_idx, 0, stage="settle"), worst(verdicts))
+
     def register_state(self, name: str, component: Stateful) -> Callable[[], None]:
         """Register a stateful component: snapshotted for retries, saved in checkpoints, sent when healing.
         A component registered after a resume (a technique switched on once the trainer exists) gets its saved
@@ -309,6 +328,8 @@ class Trainer:
         rewinds = any(g.may_rewind for g in self.guards)
         light = snap_mod.capture_counters(self.optimizer, self.scheduler) if rewinds else None
         inspects_update = any(g.inspects_update for g in self.guards)
+        # (on several ranks a guard may report a stop it found during the update: every rank looks after it)
+        looks_after = inspects_update or (self.world > 1 and any(g.stops_after_update for g in self.guards))
         retries: list[dict[str, Any]] = []
         previous: set[tuple[int, str]] = set()
         attempt = failed = 0  # attempts so far; re-executions asked for because something failed
@@ -352,7 +373,7 @@ class Trainer:
                     self.optimizer.step()
                     self.scheduler.step()
                     self._stage("update", step)
-                    if inspects_update:
+                    if looks_after:
                         verdicts = self._guard("after_update", ctx)
             if committed and not verdicts:
                 break
@@ -361,6 +382,8 @@ class Trainer:
                 continue
             verdict = worst(verdicts)
             retries.append({"attempt": attempt, **verdict.to_dict()})
+            if verdict.action == Action.SUSPECT:
+                self._stop_together(ctx, verdict)
             if verdict.action == Action.ABORT:
                 raise StepAborted(f"step {step}: {verdict.where()} asked to abort: {verdict.reason or 'no reason given'}")
             sites = {(v.rank, f"{v.guard}:{v.site}") for v in verdicts if v.action == Action.RETRY and not v.planned}
@@ -459,16 +482,38 @@ class Trainer:
                 fn(self, stage, step)
 
     def _guard(self, stage: str, ctx: StepContext) -> list[Verdict]:
-        """Every guard's look at ``stage``, reduced over all ranks: the non-commit verdicts of every rank."""
+        """Every guard's look at ``stage``, reduced over all ranks: the non-commit verdicts of every rank. On
+        several ranks a guard that stops the run (``SuspectedHardwareFault``) gives a ``SUSPECT`` verdict instead,
+        so that the others, about to wait in this reduction, stop with it (:meth:`_stop_together`)."""
         ctx.stage = stage
         local: list[Verdict] = []
         for g in self.guards:
-            if stage == "after_update" and not g.inspects_update:
+            if stage == "after_update" and not (g.inspects_update or g.stops_after_update):
                 continue
-            v = g.before_update(ctx) if stage == "before_update" else g.after_update(ctx)
+            try:
+                v = g.before_update(ctx) if stage == "before_update" else g.after_update(ctx)
+            except SuspectedHardwareFault as err:
+                if self.world == 1:
+                    raise
+                self._stop_error = err
+                local = [replace(Verdict.suspect(f"{stage}", str(err)), guard=g.name, rank=self.rank)]
+                break
+            if stage == "after_update" and not g.inspects_update and v.action == Action.RETRY:
+                raise TrainguardError(f"guard {g.name!r} asked for a retry after the update without inspects_update "
+                                      "(the trainer kept no snapshot to roll the update back)")
             if not v.ok:
                 local.append(replace(v, guard=v.guard or g.name, rank=self.rank))
         return self.strategy.reduce_verdicts(self, worst(local))
+
+    def _stop_together(self, ctx: StepContext, verdict: Verdict) -> NoReturn:
+        """Rank ``verdict.rank`` stopped the run as suspected persistent hardware: every guard hears it
+        (:meth:`StepGuard.on_stop`), then every rank raises, the failing one its own error."""
+        for g in self.guards:
+            g.on_stop(ctx, verdict)
+        own, self._stop_error = self._stop_error, None
+        if own is not None:
+            raise own
+        raise SuspectedHardwareFault(f"rank {verdict.rank} stopped the run: {verdict.reason}")
 
     def _rollback(self, start: StepStart | None, update: StepSnapshot | None) -> None:
         """Back to the step's starting state (parameters and optimizer only if the update ran)."""
@@ -727,6 +772,7 @@ class Trainer:
         def checkpoint() -> None:
             nonlocal last_ckpt_step
             logger.flush()  # every step up to the checkpoint is in metrics.jsonl before the checkpoint exists
+            self._settle_together()
             saved = self.save_checkpoint()
             last_ckpt_step = self.step_idx
             if saved is not None:
@@ -752,6 +798,7 @@ class Trainer:
                     summary.stopped_early, summary.stop_reason = True, "nonfinite loss"
                     break
                 if cfg.train.eval_every and self.step_idx % cfg.train.eval_every == 0:
+                    self._settle_together()
                     evaluation = self.evaluate()
                     last_eval_step = self.step_idx
                     logger.event(event="eval", step=self.step_idx, **evaluation)
@@ -763,7 +810,7 @@ class Trainer:
                         checkpoint()
                     logger.event(event="preempted", step=self.step_idx, signal="SIGTERM")
                     break
-            self.settle()  # the last update's pending verifications, before the run reports or returns
+            self._settle_together()  # the last update's pending verifications, before the run reports or returns
             if last is not None and not summary.stopped_early:
                 if cfg.train.eval_every and last_eval_step != self.step_idx:
                     evaluation = self.evaluate()

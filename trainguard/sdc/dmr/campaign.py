@@ -74,8 +74,8 @@ def _run(cfg, steps: int, faults: dict[int, list[Fault]], seed: int, count: bool
          executor: str = "auto", verifier: bool = False, may_stop: bool = False):
     """One run with DMR on, each rank's ``faults[rank]`` injected; ``count``: count compute ops per (step, phase),
     the engine's own ops too where ``verifier``. Returns the trainer, engine, injector, whether DMR detected a fault,
-    and ``stopped``: with ``may_stop``, the message of a single-process run that stopped as a suspected hardware
-    fault (else None)."""
+    and ``stopped``: with ``may_stop``, the message of a run that stopped as a suspected hardware fault, on every
+    rank (else None)."""
     trainer = Trainer(cfg, progress=False)
     engine = attach(trainer, DMRConfig(enabled=True, executor=executor), plan=plan)
     injector = None
@@ -84,14 +84,20 @@ def _run(cfg, steps: int, faults: dict[int, list[Fault]], seed: int, count: bool
         injector = Injector(mine, seed=seed).attach(trainer)
         injector.count_ops = count
         injector.count_verifier = count and verifier
+    stopped = None
     try:
         for _ in range(steps):
-            trainer.train_step()
+            trainer.train_step()  # (a stop on one rank stops every rank in the same verdict: see Trainer._guard)
         trainer.settle()  # checks still held (the last update's) complete before the outcome is read
     except SuspectedHardwareFault as err:
-        if not may_stop or trainer.world > 1:  # (other ranks wait in a collective for this one: it cannot go on)
+        if not may_stop:
             raise
-        return trainer, engine, injector, False, str(err)
+        stopped = str(err)
+    if may_stop and trainer.world > 1:  # (a stop while settling is this rank's alone: every rank learns of it here)
+        first = next((m for m in _gather(stopped) if m), None)  # (gathered on every rank, stopped or not)
+        stopped = stopped or first
+    if stopped is not None:
+        return trainer, engine, injector, False, stopped
     return trainer, engine, injector, engine.totals["detected"] > 0, None
 
 

@@ -122,13 +122,12 @@ class CarriedChecks:
         self.mismatches = []
 
     def _apply_repair(self) -> None:
-        if self._held_fatal is not None:
-            msg, self._held_fatal = self._held_fatal, None
-            raise self._suspect(msg)
+        self.raise_if_stopped()
         fixes, self._repair = self._repair, []
         with torch.no_grad(), _checking():  # (the engine's own work: no op of the step)
             for fix, live in fixes:
                 self._copy_verified([t for n in live for t in live[n]], [t for n in live for t in fix[n]])
+        self.raise_if_stopped()  # (several ranks: a write-back that would not copy is kept by _stop)
 
     def _state_event(self, event: str) -> None:
         """The trainer's state hook: settle before a read; before a write (a load, a restore) also drop the copies

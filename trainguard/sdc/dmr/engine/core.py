@@ -724,8 +724,9 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks, 
                     return self._repaired(out)
                 seen.append(out3)
         if repair:  # the update is under way: it cannot be rolled back, and no two executions agreed
-            raise self._suspect(f"{2 + self.cfg.tie_breakers} executions of {func} in the update stage of step "
-                                f"{self.step} all differ ({op_id}): this device does not compute reliably")
+            self._stop(f"{2 + self.cfg.tie_breakers} executions of {func} in the update stage of step "
+                       f"{self.step} all differ ({op_id}): this device does not compute reliably")
+            return out  # (several ranks: the update goes on, through its collectives; the guard stops the run after it)
         self._mismatch(op_id, dops.info(func).name, phase, "naive", "primary and checker differ" if not written else
                        "primary and checker writes differ")
         return out
@@ -735,6 +736,22 @@ class DMREngine(UpdateStageChecks, CarriedChecks, DeferredChecks, WindowChecks, 
         copy of the state that would not copy): reading the state afterwards is refused, loading one is allowed."""
         self._failed = msg
         return SuspectedHardwareFault(msg)
+
+    def _stop(self, msg: str) -> None:
+        """Stop the run (:meth:`_suspect`) from where the engine found it. On several ranks the others may be in a
+        collective of the update or of a pipeline transfer, waiting for this one: the stop is kept, the caller goes
+        on (nothing it writes is read: the guard's next look, after the update at the latest, raises, and every rank
+        stops with this one)."""
+        if self._world == 1:
+            raise self._suspect(msg)
+        if self._held_fatal is None:
+            self._held_fatal = msg
+
+    def raise_if_stopped(self) -> None:
+        """Raise the stop kept by :meth:`_stop` (or by a held check of the update that no two executions agreed on)."""
+        if self._held_fatal is not None:
+            msg, self._held_fatal = self._held_fatal, None
+            raise self._suspect(msg)
 
     def _tie_breaker_again(self) -> None:
         self.counts["tie-breaker-again"] += 1

@@ -19,6 +19,7 @@ class DMRGuard(StepGuard):
     name = "dmr"
     inspects_update = False
     may_rewind = True  # checks carried past an update (carry_last)
+    stops_after_update = True  # several ranks: a stop found in the update is kept until after it (engine._stop)
 
     def __init__(self, engine: DMREngine):
         self.engine = engine
@@ -41,11 +42,22 @@ class DMRGuard(StepGuard):
             return Verdict.retry(site=m.site(), reason=f"{m.phase} op {m.name} of step {eng._carried_step} (checked "
                                  f"after its update): {m.detail}", rewind=True)
         eng._apply_repair()  # a wrong update of the previous step, written back: this iteration read it, so retry
+        eng.raise_if_stopped()  # (a stop kept since the last look: several ranks, see engine._stop)
         if eng.mismatches:
             m = eng.mismatches[0]
             return Verdict.retry(site=m.site(), reason=f"{m.phase} op {m.name} ({m.strategy}): {m.detail}")
         eng.update_stage = True  # clipping and the optimizer come next: repaired in place, not retried
         return Verdict.commit()
+
+    def after_update(self, ctx) -> Verdict:
+        self.engine.raise_if_stopped()  # (the trainer reduces the stop: every rank stops with this one)
+        return Verdict.commit()
+
+    def on_stop(self, ctx, verdict) -> None:
+        # another rank stopped the run: what this one holds is not verified either (its update may have read that
+        # rank's gradient norm), so reading it is refused here too
+        if self.engine._failed is None:
+            self.engine._failed = f"rank {verdict.rank} stopped the run: {verdict.reason}"
 
     def on_retry(self, ctx, verdict) -> None:
         # an update of this step that ran before the retry was rolled back with it (the trainer restored the state

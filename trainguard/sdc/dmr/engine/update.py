@@ -150,8 +150,8 @@ class UpdateStageChecks:
                 return
             self.counts["copy-fault"] += 1
             self.totals["copy_faults"] += 1
-        raise self._suspect(f"two copies of the model state in step {self.step} differ from what they copied: this "
-                            "device does not compute reliably")
+        self._stop(f"two copies of the model state in step {self.step} differ from what they copied: this device "
+                   "does not compute reliably")
 
     def _run_update(self, h: _HeldUpdate, state: dict[str, list[torch.Tensor]]) -> None:
         """Execute the held update on ``state`` (in place) with the inputs the primary read."""
