@@ -279,8 +279,7 @@ class Trainer:
         try:
             self.settle()
         except SuspectedHardwareFault as err:
-            self._stop_error = err
-            local = Verdict(Action.SUSPECT, "settle", str(err), "settle", self.rank)
+            local = self._suspect_verdict(err, "settle", "settle")
         verdicts = self.strategy.reduce_verdicts(self, local)
         if verdicts:
             self._stop_together(StepContext(self, self.step_idx, 0, stage="settle"), worst(verdicts))
@@ -495,8 +494,7 @@ class Trainer:
             except SuspectedHardwareFault as err:
                 if self.world == 1:
                     raise
-                self._stop_error = err
-                local = [replace(Verdict.suspect(f"{stage}", str(err)), guard=g.name, rank=self.rank)]
+                local = [self._suspect_verdict(err, stage, g.name)]
                 break
             if stage == "after_update" and not g.inspects_update and v.action == Action.RETRY:
                 raise TrainguardError(f"guard {g.name!r} asked for a retry after the update without inspects_update "
@@ -504,6 +502,11 @@ class Trainer:
             if not v.ok:
                 local.append(replace(v, guard=v.guard or g.name, rank=self.rank))
         return self.strategy.reduce_verdicts(self, worst(local))
+
+    def _suspect_verdict(self, err: SuspectedHardwareFault, site: str, guard: str) -> Verdict:
+        """This rank's SUSPECT verdict for ``err``, kept to be raised by :meth:`_stop_together` once reduced."""
+        self._stop_error = err
+        return replace(Verdict.suspect(site, str(err)), guard=guard, rank=self.rank)
 
     def _stop_together(self, ctx: StepContext, verdict: Verdict) -> NoReturn:
         """Rank ``verdict.rank`` stopped the run as suspected persistent hardware: every guard hears it

@@ -41,8 +41,9 @@ class DMRGuard(StepGuard):
             m = next(m for m in eng.mismatches if m.strategy == "carried")
             return Verdict.retry(site=m.site(), reason=f"{m.phase} op {m.name} of step {eng._carried_step} (checked "
                                  f"after its update): {m.detail}", rewind=True)
-        eng._apply_repair()  # a wrong update of the previous step, written back: this iteration read it, so retry
-        eng.raise_if_stopped()  # (a stop kept since the last look: several ranks, see engine._stop)
+        # a wrong update of the previous step, written back: this iteration read it, so retry (a stop kept since the
+        # last look, several ranks: see engine._stop, is raised here first)
+        eng._apply_repair()
         if eng.mismatches:
             m = eng.mismatches[0]
             return Verdict.retry(site=m.site(), reason=f"{m.phase} op {m.name} ({m.strategy}): {m.detail}")
