@@ -6,9 +6,10 @@ MODE is ``clean``, ``stock`` (pipeline: torch's Schedule1F1B instead of ours), `
 schedule exposes), ``stop:K`` (train K steps, then stop: the checkpoint at K is written), ``retry:R:K:before`` (rank
 R asks for a retry of step K after a NaN was injected into one of its backward products: the guard acts before the
 update) or ``retry:R:K:after`` (a NaN in rank R's gradient after the gradient sync, seen by a guard after the
-update), or ``abft:L`` (ABFT on, one NaN in layer L's scores at step 1), or ``suspect:R:K:STAGE`` (a guard on rank R
-stops the run as suspected hardware at step K, raising from its look at STAGE: before, after; settle: a state hook,
-when the state is read at step_idx K) or ``dmrstop:R:K:OP:N`` (DMR on, N faults in rank R's verifier executions
+update), or ``abft:L`` (ABFT on, one NaN in layer L's scores at step 1), or ``suspect:R:K:STAGE[:Q]`` (a guard on rank R,
+or on each of the comma-separated ranks R, stops the run as suspected hardware at step K, raising from its look at
+STAGE: before, after; settle: a state hook, when the state is read at step_idx K; Q: rank Q asks for a retry of step
+K in the same look, as ``retry:Q:K:before``) or ``dmrstop:R:K:OP:N`` (DMR on, N faults in rank R's verifier executions
 of OP at step K, each writing a value of its own: no two executions agree) or ``campaignstop`` (a DMR campaign of
 two trials, the first of which stops on rank 1). Each rank writes
 ``OUT/rank{r}.pt``: parameters and optimizer state, per-step losses and attempts, the run summary and ABFT counters,
@@ -76,13 +77,13 @@ class StopOnRank(StepGuard):
 
     name = "stop-on-rank"
 
-    def __init__(self, rank, step, stage):
-        self.rank, self.step, self.stage, self.heard = rank, step, stage, []
+    def __init__(self, ranks, step, stage):
+        self.ranks, self.step, self.stage, self.heard = ranks, step, stage, []
         self.stops_after_update = stage == "after"
 
     def _look(self, ctx, stage):
-        if ctx.trainer.rank == self.rank and ctx.step == self.step and stage == self.stage:
-            raise SuspectedHardwareFault(f"test: rank {self.rank} stops at step {self.step} ({stage} the update)")
+        if ctx.trainer.rank in self.ranks and ctx.step == self.step and stage == self.stage:
+            raise SuspectedHardwareFault(f"test: rank {ctx.trainer.rank} stops at step {self.step} ({stage} the update)")
         return Verdict.commit()
 
     def before_update(self, ctx):
@@ -156,14 +157,19 @@ elif mode.startswith("dmrwin:"):  # dmrwin:R:K:KIND: a bit flip at step K in ran
     # (made in step 0) defers into a window of KIND (pp, dp); run by train_step(), as dmrloop
     _, win_rank, win_step, win_kind = mode.split(":")
 elif mode.startswith("suspect:"):
-    _, rank, step, stage = mode.split(":")
-    stopper = StopOnRank(int(rank), int(step), stage)
+    _, ranks, step, stage, *retry = mode.split(":")
+    ranks = {int(r) for r in ranks.split(",")}
+    stopper = StopOnRank(ranks, int(step), stage)
     trainer.add_guard(stopper)
+    if retry:  # rank Q's NaN in a backward product, seen before the update of the same step
+        trainer.add_guard(RetryOnRank(int(retry[0]), int(step), False))
+        if trainer.rank == int(retry[0]):
+            Injector(Fault(OpSite("aten.mm*", "backward", 0), FaultModel("nan"), step=int(step), index=0)).attach(trainer)
     if stage == "settle":  # rank R's pending checks fail when the state is read at step_idx K (an evaluation)
 
-        def pending_check_fails(event, rank=int(rank), step=int(step)):
-            if trainer.rank == rank and trainer.step_idx == step and event == "read":
-                raise SuspectedHardwareFault(f"test: rank {rank} stops at step {step} (settle the update)")
+        def pending_check_fails(event, step=int(step)):
+            if trainer.rank in ranks and trainer.step_idx == step and event == "read":
+                raise SuspectedHardwareFault(f"test: rank {trainer.rank} stops at step {step} (settle the update)")
 
         trainer.add_state_hook(pending_check_fails)
 elif mode.startswith("dmrstop:"):
@@ -179,6 +185,14 @@ elif mode.startswith("abft:"):
     injector = Injector(fault).attach(trainer)
 agc: dict = {}
 ids: dict = {}
+if mode.startswith("dmrmany:"):  # every mismatch any check reports: (step, op id, strategy, detail)
+    real_mismatch = handles["dmr"]._mismatch
+
+    def seen_mismatch(op_id, name, phase, strategy, detail, eng=handles["dmr"]):
+        agc.setdefault("mismatches", []).append((eng.step, op_id, strategy, detail))
+        real_mismatch(op_id, name, phase, strategy, detail)
+
+    handles["dmr"]._mismatch = seen_mismatch
 if mode.startswith("dmragc:"):
     trainer.train_step()  # step 0: profiled, planned, re-executed under the plan
     eng = handles["dmr"]

@@ -154,6 +154,23 @@ def test_a_guard_that_stops_the_run_on_one_stage_stops_every_stage_at_the_same_s
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", ["before", "settle"])
+def test_two_ranks_that_stop_in_the_same_look_while_a_third_asks_for_a_retry_stop_every_rank(tmp_path, stage):
+    """On a 2 x 2 mesh ranks 1 and 2 (stage 1 of replica 0, stage 0 of replica 1) stop the run at step 2 in the same
+    look, and (``before``) rank 3 asks for a retry of that step there: the stop wins over the retry (nothing is
+    re-executed), each stopping rank raises its own error, the others the lowest stopping rank's, and every guard on
+    every rank hears that one stop, once."""
+    mesh = [*PP, "--distributed.dp", "2"]
+    got = run_dist(tmp_path, "suspect", 4, f"suspect:1,2:2:{stage}" + (":3" if stage == "before" else ""), *mesh)
+    own = {r: f"test: rank {r} stops at step 2 ({stage} the update)" for r in (1, 2)}
+    assert [r["stop"]["message"] for r in got] == [f"rank 1 stopped the run: {own[1]}", own[1], own[2],
+                                                    f"rank 1 stopped the run: {own[1]}"]
+    for r in got:
+        assert r["stop"]["step"] == 2 and [(s["step"], s["attempts"]) for s in r["steps"]] == [(0, 1), (1, 1)]
+        assert r["stop"]["heard"] == [(2, 1, "SUSPECT", own[1])]
+
+
+@pytest.mark.slow
 def test_resume_of_a_pipeline_run_is_bitwise_equal_to_uninterrupted(tmp_path, clean_pp2):
     ck = ["--checkpoint.dir", str(tmp_path / "ck")]
     run_dist(tmp_path, "first", 2, "stop:2", *PP, *ck)
@@ -196,8 +213,24 @@ def test_dmr_on_a_two_by_two_mesh_with_a_fault_on_every_rank_at_once_ends_bitwis
     # (not every rank need count its own: a comparison the plan leaves for after the step's verdict, carried into the
     # next iteration, is dropped with the attempt when another rank's mismatch re-executes it, and the re-execution
     # recomputes what it would have checked.) Step 0: profiled, then re-executed under the plan; the faulty step
-    # re-executed on all four ranks
-    assert [[s["attempts"] for s in r["steps"]] for r in got] == [attempts] * 4
+    # re-executed on all four ranks.
+    runs = [[(s["step"], s["attempts"]) for s in r["steps"]] for r in got]
+    assert runs.count(runs[0]) == 4, runs  # every rank re-executed the same steps
+    if runs[0] != list(enumerate(attempts)):
+        # The plan is made from step 0's profile, whose timings depend on the host's load. Where it finds no window
+        # with room for a backward op's check before the update, the check is carried into the next iteration
+        # (plan.may_carry), as are P-DMR comparisons whose fingerprints are still to be taken. If every check that
+        # finds a fault of step k is so carried, step k commits and a carried check fails in step k + 1: a rewind
+        # to step k's start, both steps re-executed (seen in about 1 of 45 runs on a loaded 2-core host). That,
+        # and nothing else, is the other acceptable outcome.
+        k = attempts.index(2, 1)  # the faulty step
+        rewound = [*enumerate(attempts[:k]), (k, 1), (k, 1), (k + 1, 2), *((n, 1) for n in range(k + 2, len(attempts)))]
+        assert runs[0] == rewound, runs[0]
+        (_, rewind), = got[0]["steps"][k + 2]["retries"]
+        assert rewind, got[0]["steps"][k + 2]["retries"]  # step k + 1's first attempt ended in a rewind to step k
+        found = [(s, st, d) for r in got for s, _, st, d in r["agc"].get("mismatches", [])]
+        assert not any(s == k for s, _, _ in found), found  # nothing was found before step k's verdict
+        assert any(s == k + 1 and ("(carry)" in d or st == "carried") for s, st, d in found), found
     assert all(r["dmr_coverage"] == 1.0 for r in got)
     assert_bitwise(got, clean)
 
