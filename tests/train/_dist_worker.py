@@ -22,12 +22,17 @@ import torch
 
 from tests.sdc.dmr._spy import spy_mismatches
 from trainguard.config import load_config
-from trainguard.errors import SuspectedHardwareFault
+from trainguard.errors import StepAborted, SuspectedHardwareFault
 from trainguard.faults import Fault, FaultModel, Injector, ModuleSite, OpSite, ProductSite, TensorSite
 from trainguard.sdc.runtime import attach_from_config
 from trainguard.train import StepGuard, Trainer, Verdict
 
 out, mode, *overrides = sys.argv[1:]
+gone = None
+if mode.startswith("dmrgone:"):  # dmrgone:G:R:K:PHASE:N: as dmrocc:R:K:PHASE:N, and when the rewind comes, rank G's
+    # copy of the state it goes back to is gone (as after two faults at once: a wrong update and a carried check)
+    _, gone, rest = mode.split(":", 2)
+    gone, mode = int(gone), f"dmrocc:{rest}"
 torch.set_num_threads(1)
 cfg = load_config(None, overrides)
 trainer = Trainer(cfg)
@@ -185,6 +190,14 @@ elif mode.startswith("abft:"):
     injector = Injector(fault).attach(trainer)
 agc: dict = {}
 ids: dict = {}
+if gone == trainer.rank:
+    real_restore = handles["dmr"].restore_before_update
+
+    def copy_gone(step, eng=handles["dmr"]):
+        eng._pre_start = eng._spare_start = None
+        return real_restore(step)
+
+    handles["dmr"].restore_before_update = copy_gone
 if mode.startswith("dmrmany:"):  # every mismatch any check reports: (step, op id, strategy, detail)
     real_mismatch = handles["dmr"]._mismatch
 
@@ -281,11 +294,11 @@ elif mode == "campaignstop":  # a two-trial DMR campaign whose first trial stops
     halt["campaign"] = campaign.run_rank({"overrides": overrides, "trials": 2, "seed": 5, "phase": "backward",
                                           "steps": 2, "model": cfg.model.preset})
     summary = None
-elif mode.startswith(("suspect:", "dmrstop:")):  # every rank must stop, none left waiting for the failing one
+elif mode.startswith(("suspect:", "dmrstop:")) or gone is not None:  # every rank must stop, none left waiting
     try:
         trainer.run(n_steps)
-    except SuspectedHardwareFault as err:
-        halt["message"], halt["step"] = str(err), trainer.step_idx
+    except (SuspectedHardwareFault, StepAborted) as err:
+        halt["message"], halt["step"], halt["kind"] = str(err), trainer.step_idx, type(err).__name__
     try:  # (a stopped run's state is not verified: reading it is refused)
         trainer.state_dict_for_compare()
     except SuspectedHardwareFault as err:

@@ -405,6 +405,26 @@ def test_dmr_a_wrong_recompute_in_the_last_micro_batch_is_compared_after_the_upd
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("gone", [0, 1])
+def test_dmr_a_rank_that_cannot_rewind_stops_every_rank_with_step_aborted(tmp_path, gone):
+    """As above, a carried comparison of step 2 fails in step 3 and both stages rewind to the start of step 2; but
+    rank ``gone``'s copy of that start is gone (as after two faults at once: a wrong update and a carried check that
+    differs). That rank raised a RuntimeError alone (exit code 1), and the other re-executed step 2 without it and was
+    left waiting for it in a transfer (killed by the launcher once that rank failed: exit code -9). Now the rewind is reduced over the
+    ranks: both stop with ``StepAborted`` (exit code 4: restart from a checkpoint) at the same point, that rank with
+    its own message and the other with one that names it, and neither rank's state reads as verified."""
+    dmr = ["--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true"]
+    got = run_dist(tmp_path, "gone", 2, f"dmrgone:{gone}:0:2:recompute:250", *PP, *dmr)
+    own = "dmr: the state at the start of step 2 is no longer kept"
+    assert got[gone]["stop"]["message"].startswith(own), got[gone]["stop"]
+    assert got[1 - gone]["stop"]["message"].startswith(f"rank {gone} stopped the run: {own}"), got[1 - gone]["stop"]
+    for r in got:
+        assert r["stop"]["kind"] == "StepAborted" and r["stop"]["step"] == 3
+        assert [(s["step"], s["attempts"]) for s in r["steps"]] == [(0, 2), (1, 1), (2, 1)]  # (nothing re-executed)
+        assert "not verified since the run stopped" in r["stop"]["refused"]
+
+
+@pytest.mark.slow
 def test_dmr_a_fault_in_the_last_steps_carried_checks_is_judged_by_every_stage_when_the_state_is_read(
         tmp_path, clean_pp2):
     """Steps run by ``train_step()`` (as a benchmark or a campaign does): the last step carries its checks, and

@@ -168,14 +168,16 @@ class StepGuard:
         failed): put parameters and the optimizer's tensor state back to the start of ``step`` (the trainer keeps
         no copy of them; a guard that asks for a rewind must). The trainer restores the rest (RNG, data position,
         scheduler, the optimizer's hyper-parameters and scalar counters, registered components) and re-executes
-        ``step``, then the current one."""
+        ``step``, then the current one. A guard that cannot (its copy is gone) raises ``StepAborted``: on several
+        ranks every rank then stops with it (``on_stop`` with an ``ABORT`` verdict)."""
 
     def on_commit(self, ctx: StepContext) -> None:
         """Called once the step is committed."""
 
     def on_stop(self, ctx: StepContext, verdict: Verdict) -> None:
         """Called on every rank when rank ``verdict.rank`` stopped the run as suspected persistent hardware
-        (``Action.SUSPECT``), before the trainer raises: mark what this rank holds as not to be trusted."""
+        (``Action.SUSPECT``) or could not rewind (``Action.ABORT``), before the trainer raises: mark what this rank
+        holds as not to be trusted."""
 
 
 def worst(verdicts: list[Verdict]) -> Verdict:

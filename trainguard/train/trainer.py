@@ -441,10 +441,7 @@ class Trainer:
             raise StepAborted(f"step {step}: a guard asked to rewind to step {step - 1}, whose start is not kept")
         k, start, light = self._prev
         self.optimizer.zero_grad(set_to_none=True)
-        for g in self.guards:
-            fn = getattr(g, "on_rewind", None)
-            if fn is not None:
-                fn(ctx, k)
+        self._rewind_guards(ctx, k)
         snap_mod.restore_counters(light, self.optimizer, self.scheduler)
         start.restore(self.state)
         self.step_idx = k
@@ -453,6 +450,33 @@ class Trainer:
             return self.train_step()
         finally:
             self._redoing = False
+
+    def _rewind_guards(self, ctx: StepContext, step: int) -> None:
+        """Every guard's :meth:`StepGuard.on_rewind` to the start of ``step``. A guard that cannot put its part of
+        the state back (its copy of that start is gone: DMR after two faults at once) raises ``StepAborted``. On
+        several ranks that is reduced like a verdict, one more collective per rewind (every rank is here: the rewind
+        was reduced), so that every rank stops with it rather than re-execute the step without it and wait for it
+        in the step's first collective."""
+        local = Verdict.commit()
+        for g in self.guards:
+            fn = getattr(g, "on_rewind", None)
+            if fn is None:
+                continue
+            try:
+                fn(ctx, step)
+            except StepAborted as err:
+                if self.world == 1:
+                    raise
+                self._stop_error = err
+                local = replace(Verdict.abort("rewind", str(err)), guard=g.name, rank=self.rank)
+                break
+        if self.world > 1 and self.strategy.spans_default_group():
+            verdicts = self.strategy.reduce_verdicts(self, local)
+            if verdicts:
+                self._stop_together(ctx, worst(verdicts))
+        elif local.action != Action.COMMIT:  # (a strategy whose ranks decide on their own: this rank stops alone)
+            err, self._stop_error = self._stop_error, None
+            raise err
 
     def redo_last_step(self, reason: str) -> StepResult:
         """A guard found, after the fact (settling pending checks before the state is read), that the last
@@ -509,14 +533,16 @@ class Trainer:
         return replace(Verdict.suspect(site, str(err)), guard=guard, rank=self.rank)
 
     def _stop_together(self, ctx: StepContext, verdict: Verdict) -> NoReturn:
-        """Rank ``verdict.rank`` stopped the run as suspected persistent hardware: every guard hears it
-        (:meth:`StepGuard.on_stop`), then every rank raises, the failing one its own error."""
+        """Rank ``verdict.rank`` stopped the run (``SUSPECT``: as suspected persistent hardware; ``ABORT``: it could
+        not rewind): every guard hears it (:meth:`StepGuard.on_stop`), then every rank raises, the failing one its
+        own error, the others one of the same kind that names it."""
         for g in self.guards:
             g.on_stop(ctx, verdict)
         own, self._stop_error = self._stop_error, None
         if own is not None:
             raise own
-        raise SuspectedHardwareFault(f"rank {verdict.rank} stopped the run: {verdict.reason}")
+        kind = SuspectedHardwareFault if verdict.action == Action.SUSPECT else StepAborted
+        raise kind(f"rank {verdict.rank} stopped the run: {verdict.reason}")
 
     def _rollback(self, start: StepStart | None, update: StepSnapshot | None) -> None:
         """Back to the step's starting state (parameters and optimizer only if the update ran)."""

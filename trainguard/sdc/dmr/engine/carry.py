@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from trainguard.errors import SuspectedHardwareFault
+from trainguard.errors import StepAborted, SuspectedHardwareFault
 from trainguard.sdc.dmr.engine.common import _checking, _storage_key
 from trainguard.sdc.dmr.plan import CARRY
 
@@ -109,7 +109,7 @@ class CarriedChecks:
         else:
             self._failed = (f"dmr: the state at the start of step {step} is no longer kept (two faults at once: a "
                             "wrong update and a carried check that differs); restart from the last checkpoint")
-            raise RuntimeError(self._failed)
+            raise StepAborted(self._failed)
         with torch.no_grad(), _checking():  # (the engine's own work: no op of the step)
             self._copy_verified([self._pre[k][0] for k in keys], src)
         self._drop_pending()
