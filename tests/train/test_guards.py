@@ -232,6 +232,53 @@ def test_a_failure_outranks_a_planned_re_execution_on_one_rank():
     assert Verdict.from_dict(planned.to_dict(), 3) == Verdict(Action.RETRY, "profile", "", "", 3, False, True)
 
 
+@pytest.mark.parametrize("limit", [1024, 300, 120])
+def test_a_verdict_too_long_for_its_row_keeps_its_action_and_flags_and_loses_only_message_text(limit):
+    # quotes, backslashes and non-ASCII escape to several bytes each in JSON: the cut must still fit
+    reason = 'persistent fault: "aten.mm#12" \\ différent 5 of 5 times ' * 60
+    cases = [Verdict.suspect("dmr:aten.mm#12", reason),
+             Verdict(Action.RETRY, "dmr:" + "x\u00e9" * 400, reason, "dmr", 1, rewind=True, planned=True),
+             Verdict.abort("site", "short")]
+    for v in cases:
+        v = Verdict(v.action, v.site, v.reason, "dmr", 3, v.rewind, v.planned)
+        blob = v.to_json(limit)
+        assert len(blob) <= limit and blob.isascii()
+        back = Verdict.from_dict(json.loads(blob.decode()), 3)
+        assert (back.action, back.guard, back.rank, back.rewind, back.planned) == (v.action, "dmr", 3, v.rewind,
+                                                                                    v.planned)
+        for got, full in ((back.site, v.site), (back.reason, v.reason)):
+            assert got == full or (full.startswith(got.removesuffix("...")) and len(got) < len(full))
+        if len(json.dumps(v.to_dict())) <= limit:
+            assert back == v  # nothing is cut from a verdict that fits
+    with pytest.raises(ValueError, match="does not fit in 20 bytes"):
+        cases[0].to_json(20)
+
+
+def test_an_elastic_replica_s_long_suspect_verdict_reaches_its_peer_as_a_suspect_not_a_retry():
+    from types import SimpleNamespace
+
+    from trainguard.train.parallel.elastic import ElasticStrategy
+
+    peer = Verdict(Action.SUSPECT, "dmr:aten.addmm#7", "the same op failed on re-execution: " + "y" * 3000, "dmr", 1)
+
+    class Group:  # the quorum's collectives, with replica 1's contribution added as the network would
+        def allreduce_max(self, t):
+            t.copy_(torch.maximum(t, torch.tensor([float(int(peer.action))], dtype=t.dtype)))
+            return True
+
+        def allreduce_sum(self, rows):
+            blob = peer.to_json(rows.shape[1])
+            rows[1, : len(blob)] += torch.tensor(list(blob), dtype=rows.dtype)
+            return True
+
+    s = ElasticStrategy()
+    s.group, s.replicas, s.replica_id = Group(), 2, 0
+    got = s.reduce_verdicts(SimpleNamespace(device=torch.device("cpu")), Verdict.commit())
+    assert len(got) == 1 and got[0].action == Action.SUSPECT and got[0].rank == 1
+    assert got[0].site == peer.site and peer.reason.startswith(got[0].reason.removesuffix("..."))
+    assert worst(got).action == Action.SUSPECT  # the run stops, as on the replica that found it
+
+
 def test_a_rewind_outranks_a_retry_of_the_step_alone_in_either_order_and_across_ranks():
     retry, rewind = Verdict.retry(site="flip"), Verdict.retry(site="carried", rewind=True)
     assert worst([retry, rewind]) is rewind and worst([rewind, retry]) is rewind

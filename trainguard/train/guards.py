@@ -41,6 +41,7 @@ Relies on torch only (the reduction is done by the trainer's parallel strategy).
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +105,27 @@ class Verdict:
         if self.planned:
             out["planned"] = True
         return out
+
+    def to_json(self, limit: int) -> bytes:
+        """:meth:`to_dict` as ASCII JSON of at most ``limit`` bytes, for fixed-width rows between ranks. Where it
+        does not fit, the reason (then the site) is shortened, never the action or its flags: a cut row would
+        lose a stop's severity at its peers."""
+        d = self.to_dict()
+        blob = json.dumps(d).encode()
+        for key in ("reason", "site"):
+            if len(blob) <= limit:
+                return blob
+            over = len(blob) - limit
+            text = d[key]
+            # JSON escapes can make a character cost several bytes: cut, re-encode, and cut again if needed
+            while len(blob) > limit and text:
+                text = text[: max(0, len(text) - over - 3)]
+                d[key] = text + "..." if text else ""
+                blob = json.dumps(d).encode()
+                over = len(blob) - limit
+        if len(blob) > limit:
+            raise ValueError(f"a verdict does not fit in {limit} bytes even without its reason and site")
+        return blob
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], rank: int) -> Verdict:

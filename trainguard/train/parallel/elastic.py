@@ -485,7 +485,7 @@ class ElasticStrategy(Strategy):
         width = 1024
         rows = torch.zeros(self.replicas, width, dtype=torch.int32, device=trainer.device)
         if not local.ok:
-            blob = json.dumps(local.to_dict()).encode()[:width]
+            blob = local.to_json(width)  # a long reason is shortened; the action is never cut
             rows[self.replica_id, : len(blob)] = torch.tensor(list(blob), dtype=torch.int32)
         if not self.group.allreduce_sum(rows):
             return []
