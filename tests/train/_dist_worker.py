@@ -9,13 +9,16 @@ update) or ``retry:R:K:after`` (a NaN in rank R's gradient after the gradient sy
 update), or ``abft:L`` (ABFT on, one NaN in layer L's scores at step 1), or ``suspect:R:K:STAGE[:Q]`` (a guard on rank R,
 or on each of the comma-separated ranks R, stops the run as suspected hardware at step K, raising from its look at
 STAGE: before, after; settle: a state hook, when the state is read at step_idx K; Q: rank Q asks for a retry of step
-K in the same look, as ``retry:Q:K:before``) or ``dmrstop:R:K:OP:N`` (DMR on, N faults in rank R's verifier executions
+K in the same look, as ``retry:Q:K:before``, ``-`` for none; V: rank V is SIGKILLed in its ``on_stop``, given as
+``suspect:R:K:STAGE:Q:V``) or ``dmrstop:R:K:OP:N`` (DMR on, N faults in rank R's verifier executions
 of OP at step K, each writing a value of its own: no two executions agree) or ``campaignstop`` (a DMR campaign of
 two trials, the first of which stops on rank 1). Each rank writes
 ``OUT/rank{r}.pt``: parameters and optimizer state, per-step losses and attempts, the run summary and ABFT counters,
 and (the stop modes) how the run stopped on that rank.
 """
 
+import os
+import signal
 import sys
 
 import torch
@@ -82,8 +85,8 @@ class StopOnRank(StepGuard):
 
     name = "stop-on-rank"
 
-    def __init__(self, ranks, step, stage):
-        self.ranks, self.step, self.stage, self.heard = ranks, step, stage, []
+    def __init__(self, ranks, step, stage, kill=None):
+        self.ranks, self.step, self.stage, self.heard, self.kill = ranks, step, stage, [], kill
         self.stops_after_update = stage == "after"
 
     def _look(self, ctx, stage):
@@ -98,6 +101,8 @@ class StopOnRank(StepGuard):
         return self._look(ctx, "after")
 
     def on_stop(self, ctx, verdict):
+        if ctx.trainer.rank == self.kill:  # killed in the middle of the stop, its peers already told
+            os.kill(os.getpid(), signal.SIGKILL)
         self.heard.append((ctx.step, verdict.rank, verdict.action.name, verdict.reason))
 
 
@@ -162,9 +167,10 @@ elif mode.startswith("dmrwin:"):  # dmrwin:R:K:KIND: a bit flip at step K in ran
     # (made in step 0) defers into a window of KIND (pp, dp); run by train_step(), as dmrloop
     _, win_rank, win_step, win_kind = mode.split(":")
 elif mode.startswith("suspect:"):
-    _, ranks, step, stage, *retry = mode.split(":")
+    _, ranks, step, stage, *extra = mode.split(":")
     ranks = {int(r) for r in ranks.split(",")}
-    stopper = StopOnRank(ranks, int(step), stage)
+    retry = [q for q in extra[:1] if q != "-"]
+    stopper = StopOnRank(ranks, int(step), stage, kill=int(extra[1]) if len(extra) > 1 else None)
     trainer.add_guard(stopper)
     if retry:  # rank Q's NaN in a backward product, seen before the update of the same step
         trainer.add_guard(RetryOnRank(int(retry[0]), int(step), False))

@@ -52,9 +52,11 @@ def test_impossible_pipeline_combinations_are_refused_at_config_time():
 _launcher: ForkLauncher | None = None
 
 
-def run_dist(tmp_path: Path, name: str, nproc: int, mode: str, *extra: str) -> list[dict]:
+def run_dist(tmp_path: Path, name: str, nproc: int, mode: str, *extra: str,
+             rcs: list[int] | None = None) -> list[dict | None]:
     """Run ``_dist_worker.py`` as ``nproc`` ranks (forked from one interpreter that has imported torch: see
-    ``_fork_launch.py``; through ``torchrun`` with ``TRAINGUARD_TEST_TORCHRUN=1``); each rank's saved result."""
+    ``_fork_launch.py``; through ``torchrun`` with ``TRAINGUARD_TEST_TORCHRUN=1``); each rank's saved result.
+    ``rcs``: the exit codes expected instead of all 0 (a rank killed on purpose); a rank that saved nothing is None."""
     global _launcher
     out = tmp_path / name
     out.mkdir()
@@ -62,19 +64,22 @@ def run_dist(tmp_path: Path, name: str, nproc: int, mode: str, *extra: str) -> l
     env.pop("LOCAL_RANK", None)
     args = [str(out), mode, *BASE, *extra]
     if os.environ.get("TRAINGUARD_TEST_TORCHRUN") == "1":
+        if rcs is not None:
+            pytest.skip("torchrun stops every rank when one is killed: ranks killed on purpose need the fork launcher")
         _torchrun(tmp_path, name, nproc, args, env)
     else:
         if _launcher is None:
             _launcher = ForkLauncher(env)
             atexit.register(_launcher.close)
         try:
-            rcs, logs = _launcher.run(WORKER, args, nproc, tmp_path, out, timeout=300)
+            rcs_, logs = _launcher.run(WORKER, args, nproc, tmp_path, out, timeout=300)
         except TimeoutError:
             pytest.fail(f"{name}: distributed run hung (killed after 300 s)")
-        failed = [r for r, rc in enumerate(rcs) if rc != 0]
-        assert not failed, f"{name}: exit codes {rcs}\n" + "\n".join(
+        got, want = rcs_, rcs if rcs is not None else [0] * nproc
+        failed = [r for r, rc in enumerate(got) if rc != want[r]]
+        assert not failed, f"{name}: exit codes {got}, expected {want}\n" + "\n".join(
             f"--- rank {r} ---\n{logs[r].read_text()[-3000:]}" for r in failed)
-    return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
+    return [torch.load(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else None for r in range(nproc)]
 
 
 def _torchrun(tmp_path: Path, name: str, nproc: int, args: list[str], env: dict[str, str]) -> None:
@@ -168,6 +173,27 @@ def test_two_ranks_that_stop_in_the_same_look_while_a_third_asks_for_a_retry_sto
     for r in got:
         assert r["stop"]["step"] == 2 and [(s["step"], s["attempts"]) for s in r["steps"]] == [(0, 1), (1, 1)]
         assert r["stop"]["heard"] == [(2, 1, "SUSPECT", own[1])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_killed_in_the_middle_of_a_stop_loses_nothing_and_the_restart_resumes_bitwise(tmp_path, clean_pp2,
+                                                                                         victim):
+    """Rank 1 stops the run at step 3 (before the update); rank ``victim`` (the one told, or the one stopping) is
+    SIGKILLed in its ``on_stop``, after the verdict was shared. The other still stops with its own message, the
+    checkpoints of steps 2 and 3 stay intact (nothing of the stopped step is saved), and a restart in the same
+    folder (whose lock a killed process held) resumes from step 3 and ends bitwise equal to an uninterrupted run."""
+    ck = ["--checkpoint.dir", str(tmp_path / "ck"), "--checkpoint.every", "1", "--checkpoint.lock_wait_s", "30"]
+    got = run_dist(tmp_path, "stopped", 2, f"suspect:1:3:before:-:{victim}", *PP, *ck,
+                   rcs=[-9 if r == victim else 0 for r in range(2)])
+    survivor = got[1 - victim]
+    assert got[victim] is None and survivor["stop"]["step"] == 3
+    own = "test: rank 1 stops at step 3 (before the update)"
+    assert survivor["stop"]["message"] == (own if victim == 0 else f"rank 1 stopped the run: {own}")
+    assert survivor["stop"]["heard"] == [(3, 1, "SUSPECT", own)]
+    resumed = run_dist(tmp_path, "resumed", 2, "clean", *PP, *ck, "--checkpoint.resume", "true")
+    assert resumed[0]["summary"]["start_step"] == 3 and [s["step"] for s in resumed[1]["steps"]] == [3]
+    assert_bitwise(resumed, clean_pp2)
 
 
 @pytest.mark.slow
