@@ -115,6 +115,7 @@ def test_human_output(capsys, profile_path):
     (["--profile", "{good}", "--window-fill", "nan"], "--window-fill: must be a finite number"),
     (["--profile", "{good}", "--model", "llama-tiny"], "either --profile or --model"),
     (["--model", "llama-tiny", "--dp", "0"], "--pp, --dp and --steps must be >= 1"),
+    (["--model", "nope"], "unknown model preset 'nope'"),  # (refused before a profiling rank starts)
     ([], "pass --profile"),
     (["--profile", "{good}", "--figure", "{good}.gif"], "--figure must end in"),
     (["--profile", "{good}", "--out", "{good}/plan.json"], "cannot write"),
@@ -208,6 +209,12 @@ def test_campaign_dmr_on_two_replicas_with_two_faults_a_trial_detects_and_ends_b
                                        (["--trials", "0"], "--trials and --steps must be >= 1")])
 def test_campaign_dmr_bad_input_is_one_line_exit_2(capsys, argv, msg):
     _one_line_exit_2(capsys, ["campaign", "dmr", *argv], msg)
+
+
+def test_campaign_dmr_refuses_an_unknown_model_before_it_prints_or_starts_anything(capsys):
+    assert main(["campaign", "dmr", "--model", "nope", "--trials", "2"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1 and "unknown model preset 'nope'" in out.err
 
 
 def test_campaign_dmr_refuses_three_replicas_in_one_line(capsys):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from trainguard.cli.args import seed_int
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
+from trainguard.config import load_config
 from trainguard.errors import ConfigError
 from trainguard.sdc.dmr.campaign import PHASES, VERIFIER, run_rank
 from trainguard.train.launch import failed_workers, run_workers
@@ -55,6 +56,7 @@ def spec_from(args) -> dict:
         overrides += ["--distributed.pp", "2", "--distributed.microbatches", "2"]
     if args.dp > 1:
         overrides += ["--distributed.dp", str(args.dp)]
+    load_config(None, overrides)  # a bad preset or size fails here, in one line, before anything is printed or started
     return {"overrides": overrides, "trials": args.trials, "seed": args.seed, "phase": args.phase, "steps": args.steps,
             "model": args.model, "progress": not args.json, "executor": args.executor, "faults": args.faults}
 

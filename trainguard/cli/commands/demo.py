@@ -181,7 +181,8 @@ def _abft_protect() -> Callable | None:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="train llama-tiny on CPU and show what one NaN in attention does")
+    p = subparsers.add_parser("demo", help="train llama-tiny on CPU: one NaN in attention (ABFT corrects it), one "
+                                           "bit flip in a backward op (DMR rolls back)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per run (default 200)")
     add_json_flag(p)
     p.set_defaults(handler=run)
