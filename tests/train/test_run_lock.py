@@ -186,3 +186,20 @@ def test_a_lock_file_that_cannot_be_opened_is_one_line(tmp_path, batches, monkey
     monkeypatch.setattr(run_lock.os, "open", refused)
     with pytest.raises(CheckpointError, match=r"cannot open its lock file \.lock \(Permission denied\)"):
         Trainer(tiny_cfg("--checkpoint.dir", str(tmp_path / "ck")), batches=batches)
+
+
+def test_the_holder_named_is_the_process_that_stamped_the_lock_not_a_later_one_with_its_pid(tmp_path):
+    """A stamp names its process by pid and start time: a process the kernel gave a dead holder's pid is not named
+    (pids are reused), while the stamping process still is, and so is a stamp of the older form (no start time)."""
+    host, me = run_lock.socket.gethostname(), os.getpid()
+    ticks = run_lock._start_ticks(me)
+    assert ticks is not None and ticks == run_lock._start_ticks(me)  # (read from /proc: stable for a process)
+    fd = os.open(tmp_path / run_lock.LOCK, os.O_RDWR | os.O_CREAT)
+    run_lock._stamp(fd, truncate=True)
+    os.close(fd)
+    assert f" t={ticks} " in (tmp_path / run_lock.LOCK).read_text()
+    assert run_lock._who(tmp_path) == f"pid {me}"
+    for stamp, named in ((f"{me} {host} t={ticks + 1} trainguard train\n", False),  # same pid, another process
+                         (f"{me} {host} trainguard train\n", True)):  # no start time: the pid is all there is
+        (tmp_path / run_lock.LOCK).write_text(stamp)
+        assert (run_lock._who(tmp_path) == f"pid {me}") is named

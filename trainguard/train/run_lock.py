@@ -56,7 +56,7 @@ def _who(directory: Path) -> str:
             continue
         for line in lines:
             pid, _, rest = line.partition(" ")
-            host = rest.split(" ", 1)[0]
+            host, _, rest = rest.partition(" ")
             if not pid.isdigit():
                 continue
             if host == socket.gethostname():
@@ -66,6 +66,10 @@ def _who(directory: Path) -> str:
                     continue
                 except PermissionError:
                     pass
+                # a pid the kernel gave to another process since: not the holder (stamps without t= are older)
+                stamped, now = rest.split(" ", 1)[0], _start_ticks(int(pid))
+                if stamped.startswith("t=") and now is not None and stamped != f"t={now}":
+                    continue
             names.append(f"pid {pid}" + ("" if host == socket.gethostname() else f" on {host}"))
     return ", ".join(dict.fromkeys(names)) or "a process that did not say who it is"
 
@@ -95,9 +99,22 @@ def _take(fd: int, directory: Path, deadline: float, wait_s: float, note: Callab
         time.sleep(_POLL_S)
 
 
+def _start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/PID/stat``'s field 22), or None where that
+    cannot be read: a pid and its start time name one process, a pid alone may be reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])  # (after the command's name, which may hold spaces)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _stamp(fd: int, truncate: bool) -> None:
-    """Write this process into a lock file (for the message a waiting run prints)."""
-    line = f"{os.getpid()} {socket.gethostname()} {' '.join(sys.argv)[:300]}\n".encode()
+    """Write this process into a lock file (for the message a waiting run prints): pid, host, start time, argv."""
+    ticks = _start_ticks(os.getpid())
+    line = f"{os.getpid()} {socket.gethostname()}{f' t={ticks}' if ticks is not None else ''} " \
+           f"{' '.join(sys.argv)[:300]}\n".encode()
     if truncate:
         os.ftruncate(fd, 0)
         os.pwrite(fd, line, 0)
