@@ -271,8 +271,10 @@ def test_dmr_on_a_two_by_two_mesh_defers_checks_into_the_replicas_gradient_all_r
     found by that op's check and no other; every rank re-executes the step, bitwise."""
     mesh = [*PP, "--distributed.dp", "2", "--distributed.emulate_link_delay_ms", "60"]
     clean = run_dist(tmp_path, "clean", 4, "clean", *mesh)
+    # (profile_steps 3: the plan from each op's median of three profiled attempts. Planned from one, on a loaded host,
+    # a stage once planned nothing into its dp window: 1 failure in a full suite run, not reproduced alone in 6)
     got = run_dist(tmp_path, "dmr", 4, f"dmrwin:{rank}:2:dp", *mesh, "--sdc.dmr.enabled", "true",
-                   "--sdc.dmr.coverage", "true", "--sdc.dmr.dp_windows", "true")
+                   "--sdc.dmr.coverage", "true", "--sdc.dmr.dp_windows", "true", "--sdc.dmr.profile_steps", "3")
     assert all(any(w.startswith("dp:") for w in r["agc"]["windows"]) for r in got), [r["agc"]["windows"] for r in got]
     op, _, _, window = got[rank]["agc"]["op"]
     assert got[rank]["fired"] and window.startswith("dp:")
