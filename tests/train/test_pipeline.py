@@ -72,12 +72,12 @@ def run_dist(tmp_path: Path, name: str, nproc: int, mode: str, *extra: str,
             _launcher = ForkLauncher(env)
             atexit.register(_launcher.close)
         try:
-            rcs_, logs = _launcher.run(WORKER, args, nproc, tmp_path, out, timeout=300)
+            codes, logs = _launcher.run(WORKER, args, nproc, tmp_path, out, timeout=300)
         except TimeoutError:
             pytest.fail(f"{name}: distributed run hung (killed after 300 s)")
-        got, want = rcs_, rcs if rcs is not None else [0] * nproc
-        failed = [r for r, rc in enumerate(got) if rc != want[r]]
-        assert not failed, f"{name}: exit codes {got}, expected {want}\n" + "\n".join(
+        want = rcs if rcs is not None else [0] * nproc
+        failed = [r for r, rc in enumerate(codes) if rc != want[r]]
+        assert not failed, f"{name}: exit codes {codes}, expected {want}\n" + "\n".join(
             f"--- rank {r} ---\n{logs[r].read_text()[-3000:]}" for r in failed)
     return [torch.load(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else None for r in range(nproc)]
 

@@ -113,16 +113,13 @@ class Verdict:
         d = self.to_dict()
         blob = json.dumps(d).encode()
         for key in ("reason", "site"):
-            if len(blob) <= limit:
-                return blob
             over = len(blob) - limit
-            text = d[key]
-            # JSON escapes can make a character cost several bytes: cut, re-encode, and cut again if needed
-            while len(blob) > limit and text:
-                text = text[: max(0, len(text) - over - 3)]
-                d[key] = text + "..." if text else ""
-                blob = json.dumps(d).encode()
-                over = len(blob) - limit
+            if over <= 0:
+                return blob
+            # each character cut saves at least one byte (more where JSON escapes it): one cut is enough
+            text = d[key][: max(0, len(d[key]) - over - 3)]
+            d[key] = text + "..." if text else ""
+            blob = json.dumps(d).encode()
         if len(blob) > limit:
             raise ValueError(f"a verdict does not fit in {limit} bytes even without its reason and site")
         return blob

@@ -84,9 +84,9 @@ def _profile(args):
                               "build lacks: pass --profile PROFILE.json")
     if args.pp < 1 or args.dp < 1 or args.steps < 1:
         raise ConfigError(f"--pp, --dp and --steps must be >= 1, got {args.pp}, {args.dp}, {args.steps}")
-    from trainguard.config import load_config
+    from trainguard.models import model_config
 
-    load_config(None, ["--model.preset", args.model])  # an unknown preset: one line here, not a failed rank's report
+    model_config(args.model)  # an unknown preset: one line here, not a failed rank's report
     return fn(model=args.model, pp=args.pp, steps=args.steps, dp=args.dp), f"model {args.model}"
 
 
