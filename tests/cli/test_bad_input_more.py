@@ -8,6 +8,8 @@ import pytest
 import torch
 from _bad_input import one_line_exit_2
 
+from trainguard.cli.main import main
+
 torch.set_num_threads(1)
 
 TINY_TRAIN = ["--model.dim", "32", "--model.n_heads", "2", "--model.ffn_hidden", "64", "--model.n_layers", "1",
@@ -144,6 +146,9 @@ def test_the_seed_type_keeps_the_whole_range():
     ([*TINY_MECEFO, "--quality-methods", "mecefo,mecefo"], "--quality-methods"),
     ([*TINY_MECEFO, "--techniques", "skip_mha,"], "--techniques"),
     (["train", "configs/tiny.toml", *TINY_TRAIN, "--train.selective_ops", "attention,,ffn"], "train.selective_ops"),
+    (["train", "configs/tiny.toml", *TINY_TRAIN, "--train.selective_ops", "attention,ffn,attention"],
+     "'attention' given more than once"),  # was: accepted
+    (["train", "configs/tiny.toml", *TINY_TRAIN, "--sdc.dmr.phases", "1,2,2"], "sdc.dmr.phases"),
 ])
 def test_a_comma_list_with_an_empty_item_or_a_name_twice_is_refused_not_skipped(capsys, no_training, argv, needle):
     one_line_exit_2(capsys, argv, needle)
@@ -156,3 +161,45 @@ def test_a_redundancy_given_to_the_checkpoint_only_scheme_is_refused_not_ignored
 
 def test_plot_given_a_file_says_it_is_a_file(capsys, place):
     one_line_exit_2(capsys, ["plot", str(place / "a-file")], "not a run folder but a file")
+
+
+def test_a_key_given_twice_on_the_command_line_is_named_and_the_last_value_used(capsys, monkeypatch):
+    """The last value wins, as with any option (a base command line in a shell variable, a key appended), and the
+    run says so (was: silently)."""
+    from trainguard.train.trainer import Trainer
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def run(self, *a, **k):
+        seen["steps"] = self.cfg.train.steps
+        raise Stop
+
+    monkeypatch.setattr(Trainer, "run", run)
+    with pytest.raises(Stop):
+        main(["train", "configs/tiny.toml", *TINY_TRAIN, "--train.steps", "7", "--output.dir=", "--train.steps=9"])
+    assert seen["steps"] == 9
+    err = capsys.readouterr().err
+    assert "note: --train.steps is given 3 times ('1', '7', '9'): the last, '9', is used" in err
+    assert "note: --output.dir is given 2 times" in err
+
+
+def test_a_batch_the_machine_cannot_allocate_is_one_line(capsys):
+    """Was: the allocator's traceback."""
+    rc = main(["train", "configs/tiny.toml", *_tiny_train("--data.batch_size", "99999999999")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 1 and len(lines) == 1 and "Traceback" not in err, err
+    assert "out of memory" in lines[0] and "GiB failed" in lines[0] and "data.batch_size" in lines[0]
+
+
+def test_steps_beyond_int64_are_refused(capsys, no_training):
+    one_line_exit_2(capsys, ["train", *_tiny_train("--train.steps", str(2**63))], "train.steps must be < 2**63")
+
+
+def _tiny_train(key: str, value: str) -> list[str]:
+    """TINY_TRAIN with ``key`` set to ``value`` (a key is given once)."""
+    i = TINY_TRAIN.index(key)
+    return [*TINY_TRAIN[:i], key, value, *TINY_TRAIN[i + 2:]]

@@ -119,3 +119,48 @@ def test_ddp_error_is_printed_once_with_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(errors) == 1 and errors[0].startswith("trainguard: error: checkpoint.dir"), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+
+
+_LATE_INTERRUPT = """
+import atexit, os, signal, sys, time
+from trainguard.cli.main import _force_on_second_interrupt
+_force_on_second_interrupt()
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5)))  # a Ctrl-C in the clean-up
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+except KeyboardInterrupt:
+    print("stopping cleanly", flush=True)
+sys.exit(0)
+"""
+
+
+def test_a_second_ctrl_c_while_stopping_exits_130_at_once_without_a_traceback():
+    """The first Ctrl-C is a KeyboardInterrupt (the run stops cleanly); the second, here in an atexit handler, ends
+    the process with 130 (was: "Exception ignored in atexit callback" and its traceback, or death by SIGINT)."""
+    p = subprocess.run([sys.executable, "-c", _LATE_INTERRUPT], capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == "stopping cleanly"
+    assert p.returncode == 130 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip() == "trainguard: interrupted again; exiting now"
+
+
+@pytest.mark.parametrize("gap_s", [0.0, 0.02])
+def test_two_quick_ctrl_c_during_training_end_with_130_and_no_traceback(tmp_path, gap_s):
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "trainguard", "train", *SMALL, "--train.steps", "100000", "--train.log_every", "1",
+           "--output.dir", str(out)]
+    cmd.remove("3")  # (SMALL's train.steps: a key is given once)
+    cmd.remove("--train.steps")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(gap_s)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err and "Exception ignored" not in err, err

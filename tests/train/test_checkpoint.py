@@ -207,7 +207,9 @@ def test_a_checkpoint_whose_trainer_state_runs_code_is_refused(tmp_path, batches
     marker = tmp_path / "pwned"
     _Exploit.marker = str(marker)
     torch.save({"step": 1, "payload": _Exploit()}, path / "trainer.pt")
-    ckpt_mod.write_manifest(path, 1, None, {"run_id": t.run_id})  # a consistent manifest: only the pickle is evil
+    saved = ckpt_mod.read_manifest(path)
+    extra = {k: saved[k] for k in ("run_id", "model_config", "data_fingerprint")}
+    ckpt_mod.write_manifest(path, 1, saved["config"], extra)  # a consistent manifest: only the pickle is evil
     verify(path)
     with pytest.raises(CheckpointError, match="refusing trainer.pt"):
         Trainer(tiny_cfg("--checkpoint.dir", str(ck), "--checkpoint.resume", "true"), batches=batches)

@@ -11,7 +11,7 @@ from conftest import tiny_cfg
 
 from trainguard.errors import CheckpointError
 from trainguard.train import Trainer, run_lock
-from trainguard.train.checkpoint import CheckpointManager
+from trainguard.train.checkpoint import CheckpointManager, seal_manifest
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -80,15 +80,19 @@ def test_execution_only_changes_are_allowed_and_reported(tmp_path, batches):
 
 
 def test_checkpoint_of_another_model_is_one_line_even_without_a_saved_config(tmp_path, batches):
-    """DCP's CheckpointException derives from BaseException: a mismatch must still be a CheckpointError."""
+    """DCP's CheckpointException derives from BaseException: a mismatch must still be a CheckpointError. A
+    manifest without a config (saved by the Python API with ``config=None``) loads through ``load_checkpoint``,
+    and a resume, which could not check it, refuses it."""
     ck = tmp_path / "ck"
     Trainer(tiny_cfg("--train.steps", "1", "--checkpoint.dir", str(ck)), batches=batches).run()
     path = CheckpointManager(ck).latest()
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["config"], manifest["model_config"] = None, None  # an old checkpoint: nothing to compare
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    manifest["config"], manifest["model_config"] = None, None  # nothing to compare
+    (path / "manifest.json").write_text(json.dumps(seal_manifest(manifest)))
     with pytest.raises(CheckpointError, match="does not match this model"):
-        Trainer(tiny_cfg("--model.dim", "64", "--checkpoint.dir", str(ck), "--checkpoint.resume", "true"), batches=batches)
+        Trainer(tiny_cfg("--model.dim", "64"), batches=batches).load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="records no config"):
+        Trainer(tiny_cfg("--checkpoint.dir", str(ck), "--checkpoint.resume", "true"), batches=batches)
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, batches, capfd):
@@ -124,6 +128,22 @@ def test_resume_step_picks_a_checkpoint_and_sets_later_ones_aside(tmp_path, batc
     assert "superseded" in capfd.readouterr().err
     with pytest.raises(CheckpointError, match="resume_step 3: no intact checkpoint of that step"):
         Trainer(tiny_cfg(*args, "--checkpoint.resume", "true", "--checkpoint.resume_step", "3"), batches=batches)
+
+
+def test_a_save_after_going_back_sets_the_later_checkpoints_aside(tmp_path, batches, capfd):
+    """A resume of a finished run moves nothing; trained on through the API, its first save sets aside the
+    checkpoints of the history it left."""
+    ck = tmp_path / "ck"
+    args = ("--train.steps", "6", "--checkpoint.dir", str(ck), "--checkpoint.every", "2", "--checkpoint.keep", "3")
+    Trainer(tiny_cfg(*args), batches=batches).run()
+    r = Trainer(tiny_cfg(*args, "--train.steps", "2", "--checkpoint.resume", "true", "--checkpoint.resume_step", "2"),
+                batches=batches)
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000006"]
+    r.run(1)  # (saves step 3 at its end)
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000002", "step_00000003", "step_00000004.superseded",
+                                                         "step_00000006.superseded"]
+    assert "were renamed to *.superseded" in capfd.readouterr().err
+    r.close()
 
 
 def test_no_intact_checkpoint_is_refused(tmp_path, batches):

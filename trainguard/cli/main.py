@@ -14,6 +14,8 @@ import argparse
 import importlib
 import os
 import pkgutil
+import re
+import signal
 import sys
 
 from trainguard import __version__
@@ -68,12 +70,37 @@ def main(argv: list[str] | None = None) -> int:
         if not _worker_report("interrupt", "", 130, getattr(err, "step", None)):
             sys.stderr.write("trainguard: interrupted\n")
         return 130
+    except RuntimeError as err:
+        text = _out_of_memory(err)
+        if text is None:
+            import traceback
+
+            if _worker_report("traceback", traceback.format_exc(), 1):
+                return 1
+            raise
+        if not _worker_report("error", text, 1):
+            sys.stderr.write(f"trainguard: error: {text}\n")
+        return 1
     except Exception:
         import traceback
 
         if _worker_report("traceback", traceback.format_exc(), 1):
             return 1
         raise
+
+
+def _out_of_memory(err: RuntimeError) -> str | None:
+    """One line for an allocation the machine cannot satisfy (a batch or a model too large for it), else None."""
+    text = str(err)
+    if type(err).__name__ != "OutOfMemoryError" and "can't allocate memory" not in text and "out of memory" not in text:
+        return None
+    m = re.search(r"tried to allocate (\d+(?:\.\d+)?) ?(bytes|KiB|MiB|GiB)", text)
+    size = ""
+    if m:
+        scale = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
+        size = f" (an allocation of {float(m.group(1)) * scale / 2**30:.1f} GiB failed)"
+    return (f"out of memory{size}: the run does not fit this machine; lower data.batch_size, data.seq_len or the "
+            "model's size, or raise train.grad_accum")
 
 
 def _worker_report(kind: str, text: str, exit_code: int, step: int | None = None) -> bool:
@@ -90,6 +117,7 @@ def entry() -> None:
     rank of a multi-process run or an elastic replica without Python's finalization (``launch.exit_rank``)."""
     from trainguard.train.launch import exit_rank, skip_finalization
 
+    _force_on_second_interrupt()
     try:
         code = main()
     except BaseException as err:  # (re-raised unless the process must skip finalization)
@@ -100,7 +128,33 @@ def entry() -> None:
         code = _exit_code_of(err)
     if skip_finalization():  # gloo's teardown can abort a finished process there
         exit_rank(code)
+    if code == 130:
+        # interrupted, and every clean-up of the command is done: no finalization, where Python has put the default
+        # SIGINT action back and a second Ctrl-C would kill the process by the signal instead of exit 130
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     raise SystemExit(code)
+
+
+def _force_on_second_interrupt() -> None:
+    """The first Ctrl-C stops the command cleanly (a ``KeyboardInterrupt``: the run writes its summary and says how
+    to resume); a second one while it is stopping exits at once with 130. Without this, a second Ctrl-C landing in
+    the clean-up (or in an ``atexit`` handler) printed a traceback or killed the process by the signal. Only the
+    command line does this: a program using the library keeps Python's handler."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:  # (ignored by the caller: stay ignored)
+        return
+    interrupts = 0
+
+    def on_sigint(signum, frame):
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts > 1:
+            os.write(2, b"trainguard: interrupted again; exiting now\n")
+            os._exit(130)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
 
 
 def _exit_code_of(err: BaseException) -> int:

@@ -61,6 +61,19 @@ class PackedBatches:
         streams = load_corpus(cfg.source, cfg.val_fraction, cfg.max_bytes or None)
         return cls(streams, cfg.seq_len, cfg.batch_size, cfg.seed)
 
+    def fingerprint(self) -> str:
+        """sha256 of the token streams (train, then validation): the corpus's contents, whatever path named it.
+        A checkpoint records it, so a resume on another corpus (a file replaced, a folder grown) is refused."""
+        if getattr(self, "_fingerprint", None) is None:
+            import hashlib
+
+            h = hashlib.sha256()
+            for stream in (self.streams.train, self.streams.val):
+                h.update(str(stream.numel()).encode() + b"\0")
+                h.update(stream.contiguous().numpy().tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
     def _windows(self, stream: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         idx = starts.unsqueeze(1) + torch.arange(self.seq_len + 1)
         rows = stream[idx].long()

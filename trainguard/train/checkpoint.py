@@ -6,15 +6,20 @@ per-file sizes and a sha256 over every file's bytes). A checkpoint is written in
 ``<dir>/.tmp-step_.../`` and only becomes visible through one atomic ``os.rename`` after the manifest is
 written, so a save that dies midway never replaces or damages the previous good checkpoint. ``load``
 re-hashes the files and refuses a checkpoint whose bytes do not match its manifest with a one-line
-``CheckpointError``.
+``CheckpointError``. The manifest is sealed too (``manifest_sha256`` over its own content) and its shape is
+checked (step, file list, config), so a flipped bit or an edit there is a corrupt checkpoint, not a traceback
+or a resume checked against the wrong config; a manifest of a newer format is a ``NewerFormatError``
+(refused, never set aside as corrupt).
 
 A folder belongs to one run: every manifest names the ``run_id`` that wrote it. Pruning (``keep``) runs
 only after a commit, only among the checkpoints of the run that saved, and never removes the one just
 written; a pruned checkpoint is first renamed out of sight (``.del-step_...``) so a process killed while
 deleting never leaves a half-deleted checkpoint that looks committed. A checkpoint of another run is never
-overwritten; replacing one of the same run and step says so. While a run uses the folder, its processes are the
-only ones that do (the trainer takes ``run_lock``'s lock first), so the half-written saves a save clears away
-are truly a dead process's.
+overwritten; replacing one of the same run and step says so. An entry named like a checkpoint that is not one
+(no manifest, a file: no save leaves one) is never deleted: it is renamed ``*.incomplete`` with a warning. A save
+at step s renames this run's checkpoints of later steps ``*.superseded`` (a resume went back before them).
+While a run uses the folder, its processes are the only ones that do (the trainer takes ``run_lock``'s lock
+first), so the half-written saves a save clears away are truly a dead process's.
 
 ``trainer.pt`` holds tensors and plain Python values only and is read with ``torch.load(weights_only=True)``:
 a checkpoint received from someone else cannot run code when it is loaded (checked again at save time, so
@@ -56,7 +61,8 @@ FORMAT = "trainguard-dcp-2"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.pt"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")  # (a step past 99,999,999 gets a ninth digit)
+_FORMAT_VERSION = re.compile(r"^trainguard-dcp-(\d+)$")
 
 
 def _dist_on() -> bool:
@@ -92,9 +98,24 @@ def _payload_files(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of a manifest's own content (every key but ``manifest_sha256``), as JSON with sorted keys."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    text = json.dumps(json.loads(json.dumps(body, default=str)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def seal_manifest(manifest: dict) -> dict:
+    """``manifest`` with ``manifest_sha256`` set: an edit or a flipped bit in the manifest (its config, its
+    step) is then found like one in the files it lists."""
+    out = json.loads(json.dumps({k: v for k, v in manifest.items() if k != "manifest_sha256"}, default=str))
+    out["manifest_sha256"] = manifest_digest(out)
+    return out
+
+
 def write_manifest(path: Path, step: int, config: dict | None, extra: dict | None = None) -> dict:
     names = _payload_files(path)
-    manifest = {
+    manifest = seal_manifest({
         "format": FORMAT,
         "step": int(step),
         "created": time.time(),
@@ -102,7 +123,7 @@ def write_manifest(path: Path, step: int, config: dict | None, extra: dict | Non
         "sha256": checksum(path, names),
         "config": config,
         **(extra or {}),
-    }
+    })
     tmp = path / (MANIFEST + ".part")
     with open(tmp, "w") as fh:
         json.dump(manifest, fh, indent=1, default=str)
@@ -121,8 +142,46 @@ def read_manifest(path: str | Path) -> dict | None:
     return manifest if isinstance(manifest, dict) else None
 
 
+class NewerFormatError(CheckpointError):
+    """A checkpoint written by a newer trainguard: refused (not taken for a corrupt one and set aside)."""
+
+
+def _check_manifest(path: Path, manifest: Any) -> dict:
+    """The manifest's own shape: its format, step, file list and checksums (CheckpointError naming what is wrong)."""
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a JSON object")
+    fmt = manifest.get("format")
+    version = _FORMAT_VERSION.match(fmt) if isinstance(fmt, str) else None
+    mine = int(_FORMAT_VERSION.match(FORMAT).group(1))
+    if version and int(version.group(1)) > mine:
+        raise NewerFormatError(f"checkpoint {path} was written by a newer trainguard (format {fmt}; this version "
+                               f"reads {FORMAT}): upgrade trainguard to load it, or resume an "
+                               "older step with --checkpoint.resume_step")
+    if fmt != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: unknown format {fmt!r} (expected {FORMAT})")
+    sealed = manifest.get("manifest_sha256")
+    if sealed is not None and sealed != manifest_digest(manifest):  # (manifests of older versions are not sealed)
+        raise CheckpointError(f"checkpoint {path} is corrupted: {MANIFEST} does not match its own sha256")
+    step, files = manifest.get("step"), manifest.get("files")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint {path} is corrupted: {MANIFEST} has step {step!r}, not a step number")
+    named = _STEP_DIR.match(path.name)
+    if named and int(named.group(1)) != step:
+        raise CheckpointError(f"checkpoint {path} is corrupted: {MANIFEST} says step {step}, its folder another")
+    if (not isinstance(files, dict) or not files
+            or not all(isinstance(n, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                       and not Path(n).is_absolute() and ".." not in Path(n).parts for n, v in files.items())):
+        raise CheckpointError(f"checkpoint {path} is corrupted: {MANIFEST} has no valid file list")
+    if not isinstance(manifest.get("sha256"), str):
+        raise CheckpointError(f"checkpoint {path} is corrupted: {MANIFEST} has no sha256")
+    if manifest.get("config") is not None and not isinstance(manifest["config"], dict):
+        raise CheckpointError(f"checkpoint {path} is corrupted: {MANIFEST}'s config is not a table")
+    return manifest
+
+
 def verify(path: str | Path) -> dict:
-    """The manifest of a complete, uncorrupted checkpoint; CheckpointError otherwise."""
+    """The manifest of a complete, uncorrupted checkpoint; CheckpointError otherwise (``NewerFormatError`` for
+    one written by a newer trainguard)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint not found: {path}")
@@ -133,9 +192,7 @@ def verify(path: str | Path) -> dict:
         manifest = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not valid JSON") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path}: unknown format (expected {FORMAT})")
-    files = manifest.get("files", {})
+    files = _check_manifest(path, manifest)["files"]
     for name, size in files.items():
         f = path / name
         if not f.is_file():
@@ -308,9 +365,24 @@ class CheckpointManager:
                 continue
             try:
                 return p, verify(p), bad
+            except NewerFormatError:
+                raise  # not damaged: refused, never set aside for an older one
             except CheckpointError as err:
                 bad.append((p, str(err)))
         return None, None, bad
+
+    def strays(self) -> list[Path]:
+        """Entries named like a checkpoint that are not one: a folder without ``manifest.json`` (or with
+        something else in its place), a file. A save commits only after its manifest, so these are not this
+        tool's; they are never deleted, only set aside (:meth:`set_aside_strays`)."""
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.iterdir()
+                      if _STEP_DIR.match(p.name) and not (p.is_dir() and (p / MANIFEST).is_file()))
+
+    def set_aside_strays(self) -> list[tuple[Path, Path]]:
+        """Rename every stray (see :meth:`strays`) to ``<name>.incomplete``: [(was, now)]."""
+        return [(p, _set_aside(p, "incomplete")) for p in self.strays()]
 
     def set_aside(self, path: Path, why: str) -> Path:
         """Rename a checkpoint out of the run (``why``: corrupt, superseded); it is kept for inspection."""
@@ -371,6 +443,7 @@ class CheckpointManager:
                     fh.flush()
                     os.fsync(fh.fileno())
                 write_manifest(tmp, step, config, {"run_id": self.run_id, **(extra_manifest or {})})
+                self._supersede_later(step)
                 self._commit(tmp, final)
                 self._prune(final)
         except BaseException as err:
@@ -398,7 +471,24 @@ class CheckpointManager:
         # A fresh optimizer has no state; get_state_dict would initialise it (changing the run).
         return {"model": model.state_dict()}
 
+    def _supersede_later(self, step: int) -> None:
+        """Rename this run's checkpoints of steps after ``step`` to ``*.superseded``: a run that saves ``step``
+        went back before them (a resume from an earlier step), so they belong to a history it abandoned. Done at
+        each save, for a resume that set nothing aside (one already finished, then trained on through the Python
+        API; elastic replicas, whose resume plan reads only)."""
+        later = [(s, p) for s, p in self.checkpoints() if s > step and self.owned(p)]
+        for _, p in reversed(later):  # newest first: a kill midway leaves an older prefix of that history
+            _set_aside(p, "superseded")
+        if later:
+            steps = ", ".join(str(s) for s, _ in later)
+            self.note(f"saving step {step} of a run resumed from an earlier step: its later checkpoints (steps "
+                      f"{steps}) were renamed to *.superseded (not deleted)")
+
     def _commit(self, tmp: Path, final: Path) -> None:
+        if os.path.lexists(final) and not (final.is_dir() and self.owned(final) and read_manifest(final) is not None):
+            # not a checkpoint of this run (no readable manifest, a file): never deleted, set aside
+            moved = _set_aside(final, "incomplete")
+            self.note(f"warning: {final} was not a checkpoint of this run; moved to {moved.name}")
         if final.exists():  # the same run saving the same step again: move the old one aside, never delete it first
             self.note(f"replacing checkpoint {final} (saved earlier by this run)")
             aside = self.dir / f".old-{final.name}-{os.getpid()}"

@@ -55,6 +55,9 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         _positive("train.steps", self.steps)
+        for name in ("steps", "eval_every", "log_every", "eval_batches", "grad_accum"):
+            if getattr(self, name) >= 2**63:  # (a step counter is an int64 tensor in places)
+                raise ConfigError(f"train.{name} must be < 2**63, got {getattr(self, name)}")
         _positive("train.grad_accum", self.grad_accum)
         _positive("train.eval_batches", self.eval_batches)
         _positive("train.log_every", self.log_every)
@@ -271,11 +274,16 @@ NOT_COMPARED = ("checkpoint.resume", "checkpoint.resume_step", "checkpoint.start
 Change = tuple[str, Any, Any]  # (dotted key, saved value, new value)
 
 
-def resume_differences(saved: dict | None, saved_model: dict | None, cfg) -> tuple[list[Change], list[Change]]:
+def resume_differences(saved: dict | None, saved_model: dict | None, cfg, saved_data: str | None = None,
+                       data: str | None = None) -> tuple[list[Change], list[Change]]:
     """(refused, changed): how ``cfg`` differs from the config saved with a checkpoint. ``saved_model`` is the
-    checkpoint's effective model config (presets are resolved, so a preset renamed or re-sized is seen)."""
+    checkpoint's effective model config (presets are resolved, so a preset renamed or re-sized is seen).
+    ``saved_data`` / ``data``: fingerprints of the corpus's contents; when both are known the corpus is compared
+    by them, not by the text of ``data.source`` (the same file by another path is the same data, a file
+    replaced under the same path is not)."""
     if not isinstance(saved, dict):
         return [], []
+    by_contents = isinstance(saved_data, str) and isinstance(data, str)
     new_all = json.loads(json.dumps(cfg.to_dict(), default=str))
     old = _flatten({k: v for k, v in saved.items() if k != "model"})
     new = _flatten({k: v for k, v in new_all.items() if k != "model"})
@@ -289,8 +297,14 @@ def resume_differences(saved: dict | None, saved_model: dict | None, cfg) -> tup
         new.update({f"model.{k}": v for k, v in new_model.items()})
     refused: list[Change] = []
     changed: list[Change] = []
+    if by_contents and saved_data != data:
+        refused.append(("data (the corpus's contents, sha256)", saved_data[:12], data[:12]))
     for key in sorted(set(old) & set(new)):
         if key in NOT_COMPARED or old[key] == new[key]:
+            continue
+        if key == "data.source" and by_contents:  # the contents decide (refused above when they differ)
+            if saved_data == data:
+                changed.append((key, old[key], new[key]))  # another name for the same contents
             continue
         identity = (key.split(".", 1)[0] in RUN_IDENTITY_SECTIONS or key in RUN_IDENTITY_KEYS) and key not in EXECUTION_ONLY
         (refused if identity else changed).append((key, old[key], new[key]))

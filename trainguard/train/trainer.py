@@ -625,8 +625,14 @@ class Trainer:
         state = {"step": self.step_idx, "rng": rng, "rng_by_rank": by_rank, "world": self.world,
                  "strategy": self.strategy.name, "components": self.state.state_dict()}
         model_cfg = json.loads(json.dumps(asdict(self.cfg.model_config()), default=str))
+        extra = {"model_config": model_cfg, "data_fingerprint": self._data_fingerprint()}
         return self.ckpt.save(self.step_idx, self.model, self.optimizer, self.scheduler, self.cfg.to_dict(), state,
-                              extra_manifest={"model_config": model_cfg})
+                              extra_manifest=extra)
+
+    def _data_fingerprint(self) -> str | None:
+        """The corpus's contents as a checkpoint records them (None for batches that cannot say)."""
+        fingerprint = getattr(self.batches, "fingerprint", None)
+        return fingerprint() if callable(fingerprint) else None
 
     def load_checkpoint(self, path: str | Path | None = None, manifest: dict | None = None) -> dict:
         """Load ``path`` (None: the latest in checkpoint.dir) and continue from its step with this trainer's
@@ -711,6 +717,10 @@ class Trainer:
         notes: list[str] = []
         if apply:
             mgr.recover()
+            for was, now in mgr.set_aside_strays():  # (never deleted: not ours to delete)
+                notes.append(f"warning: {was} is not a checkpoint (no {ckpt_mod.MANIFEST}); moved to {now.name}")
+        else:
+            notes += [f"warning: {p} is not a checkpoint (no {ckpt_mod.MANIFEST}); ignored" for p in mgr.strays()]
         found = mgr.checkpoints()
         if not cc.resume:
             if not apply:
@@ -728,7 +738,7 @@ class Trainer:
                     shutil.rmtree(gone, ignore_errors=True)
                 notes.append(f"checkpoint.start_over: deleted {len(found)} checkpoint(s) of run {', '.join(runs)} "
                              f"(steps {_steps(found)}) in {mgr.dir}")
-            return {"notes": notes}
+            return {"notes": notes} if apply else {}
         step = cc.resume_step if cc.resume_step >= 0 else None
         path, manifest, bad = mgr.newest_intact(step)
         if path is None:
@@ -740,7 +750,12 @@ class Trainer:
                                  + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")}
             notes.append(f"no checkpoint in {mgr.dir}; starting from step 0")
             return {"notes": notes}
-        refused, changed = resume_differences(manifest.get("config"), manifest.get("model_config"), self.cfg)
+        if not isinstance(manifest.get("config"), dict):
+            return {"error": f"cannot resume {path}: its manifest records no config, so this run cannot be checked "
+                             "against the one that saved it (load it with Trainer.load_checkpoint, or start a new run "
+                             "in another checkpoint.dir)"}
+        refused, changed = resume_differences(manifest.get("config"), manifest.get("model_config"), self.cfg,
+                                              manifest.get("data_fingerprint"), self._data_fingerprint())
         if refused:
             return {"error": f"cannot resume {path}: it is another run's shape or data: "
                              f"{_changes(refused)} (keep the saved values, or start a new run in another checkpoint.dir)"}
@@ -751,9 +766,12 @@ class Trainer:
                 notes.append(f"warning: {why}; moved to {moved.name}; falling back to step {manifest['step']}")
             else:
                 notes.append(f"warning: {why}; falling back to step {manifest['step']}")
-        later = [(s, p) for s, p in found if s > int(manifest["step"]) and p.exists() and mgr.owned(p, mine)]
-        if later and apply:
-            for _, p in later:
+        later = [(s, p) for s, p in found if s > manifest["step"] and p.exists() and mgr.owned(p, mine)]
+        # set aside now (so that a resume after a kill, and the resume command printed at Ctrl-C, start where this
+        # run went back to), unless the run is already finished and trains nothing: then nothing moves. (A save
+        # after such a resume, from the Python API, sets them aside itself: CheckpointManager._supersede_later.)
+        if later and apply and manifest["step"] < self.cfg.train.steps:
+            for _, p in reversed(later):  # newest first: a kill midway leaves an older prefix of that history
                 mgr.set_aside(p, "superseded")
             notes.append(f"resuming from step {manifest['step']}: this run's later checkpoints (steps {_steps(later)}) "
                          "were renamed to *.superseded (not deleted)")
@@ -784,6 +802,8 @@ class Trainer:
             return summary
         if self.is_main:
             check_output_folders(cfg, checkpoints=False)
+            if out_dir is not None:
+                self._claim_output_dir(out_dir, start)
         metrics_path = out_dir / "metrics.jsonl" if (out_dir and cfg.output.metrics and self.is_main) else None
         tb_dir = out_dir / "tb" if (out_dir and cfg.output.tensorboard and self.is_main) else None
         logger = MetricsLogger(metrics_path, total_steps=end, log_every=cfg.train.log_every,
@@ -860,6 +880,35 @@ class Trainer:
             self._finish_summary(summary, start, t0, first_loss, last, evaluation, logger, out_dir)
         return summary
 
+    def _claim_output_dir(self, out_dir: Path, start: int) -> None:
+        """Move another run's files in ``output.dir`` (metrics.jsonl, summary.json, tb/) into
+        ``<output.dir>/previous/<its run id>/``: a new run never overwrites them. A resumed run keeps its own
+        (those whose summary names its run id, or a killed run's that wrote no summary) and appends."""
+        names = [n for n in _RUN_OUTPUTS if os.path.lexists(out_dir / n)]
+        if not names:
+            return
+        try:
+            owner = json.loads((out_dir / "summary.json").read_text()).get("run_id") or None
+        except (OSError, ValueError, AttributeError):
+            owner = None
+        if start > 0 and owner in (None, self.run_id):
+            return
+        if start == 0 and owner is not None and owner == self.run_id:
+            return
+        label = owner if isinstance(owner, str) and owner.isalnum() else time.strftime("%Y%m%d-%H%M%S")
+        target, n = out_dir / "previous" / label, 1
+        while os.path.lexists(target):
+            target, n = out_dir / "previous" / f"{label}-{n}", n + 1
+        try:
+            target.mkdir(parents=True)
+            for name in names:
+                os.rename(out_dir / name, target / name)
+        except OSError as err:
+            raise ConfigError(f"output.dir {out_dir} holds another run's files ({', '.join(names)}) that cannot be "
+                              f"moved aside: {err.strerror or err}") from None
+        self._note(f"output.dir {out_dir} held the files of {'run ' + owner if owner else 'an earlier run'} "
+                   f"({', '.join(names)}); moved to {target}")
+
     # ---- preemption ------------------------------------------------------------------------------
     def _catch_sigterm(self) -> Any:
         """Turn SIGTERM into a request to stop at the next step boundary (main thread only)."""
@@ -912,6 +961,9 @@ class Trainer:
         if getattr(self, "_unlock", None) is not None:
             self._unlock()
         self.strategy.close()
+
+
+_RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "tb")  # what run() writes into output.dir
 
 
 def _plain_rng(rng: dict[str, Any]) -> dict[str, Any]:
@@ -988,6 +1040,8 @@ def _changes(changes: list[tuple[str, Any, Any]]) -> str:
 
 def _resume_message(plan: dict[str, Any], step: int, total: int, run_id: str) -> str:
     changed = plan["changes"]
+    if step >= total:  # (run() says that it is already finished; no schedule to speak of)
+        return f"resuming run {run_id} from {plan['resume']} (step {step}; train.steps = {total})"
     text = f"resuming run {run_id} from {plan['resume']} (step {step} of {total})"
     if not changed:
         return text + "; config unchanged"

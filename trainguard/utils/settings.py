@@ -131,6 +131,17 @@ def override_pairs(overrides: list[str] | dict[str, Any] | None) -> list[tuple[s
     return pairs
 
 
+def repeated_keys(overrides: list[str]) -> list[str]:
+    """One line for each key a command line gives more than once (``--train.steps 5 --train.steps 7``): the last
+    value wins, as with any command-line option, and the line says so (a shell variable holding a base command
+    line that a key is appended to is the usual way this happens; a typo is the other)."""
+    values: dict[str, list[Any]] = {}
+    for key, value in override_pairs(overrides):
+        values.setdefault(key, []).append(value)
+    return [f"--{key} is given {len(v)} times ({', '.join(map(repr, v))}): the last, {v[-1]!r}, is used"
+            for key, v in values.items() if len(v) > 1]
+
+
 def validate_tree(obj: Any, path: str = "") -> Any:
     """Check every value against its type hint and run ``validate()`` of every section, children first;
     returns ``obj`` (what its ``validate()`` returns). Values set in code are checked like loaded ones."""
@@ -230,11 +241,18 @@ class _NotFinite(ValueError):
 def coerce(name: str, typ: Any, value: Any, from_text: bool) -> Any:
     """``value`` as ``typ`` (parsed from text when ``from_text``); ``ConfigError`` naming ``name`` otherwise."""
     try:
-        return _coerce(typ, value, from_text)
+        out = _coerce(typ, value, from_text)
     except (TypeError, ValueError, OverflowError) as e:
         shown = value if not isinstance(value, str) or len(value) < 60 else value[:57] + "..."
         what = "a finite number" if isinstance(e, _NotFinite) else type_name(typ)
         raise ConfigError(f"{name} must be {what}, got {shown!r}") from None
+    args = typing.get_args(typ)
+    if typing.get_origin(typ) is list or (typing.get_origin(typ) is tuple and args[-1:] == (Ellipsis,)):
+        # a list of names or choices: an item named twice is most often a typo for one left out
+        twice = sorted({repr(v) for v in out if out.count(v) > 1})
+        if twice:
+            raise ConfigError(f"{name}: {', '.join(twice)} given more than once")
+    return out
 
 
 def _coerce(typ: Any, value: Any, from_text: bool) -> Any:

@@ -99,9 +99,13 @@ def where_to_resume(cfg, args) -> str:
     """The newest intact checkpoint and the command that resumes from it (for Ctrl-C and SIGTERM)."""
     if not cfg.checkpoint.dir:
         return "no checkpoint.dir was set, so the run cannot be resumed"
+    from trainguard.errors import CheckpointError
     from trainguard.train.checkpoint import CheckpointManager
 
-    path, manifest, _ = CheckpointManager(cfg.checkpoint.dir).newest_intact()
+    try:
+        path, manifest, _ = CheckpointManager(cfg.checkpoint.dir).newest_intact()
+    except CheckpointError as err:  # (a newer version's checkpoint there: said, not raised over the interrupt)
+        return f"the checkpoints in {cfg.checkpoint.dir} cannot be read: {err}"
     if path is None:
         return f"no checkpoint in {cfg.checkpoint.dir} yet (the next run starts from step 0)"
     return f"newest intact checkpoint: step {manifest['step']} ({path}); resume with: {resume_command(args)}"
@@ -111,6 +115,7 @@ def run(args) -> int:
     from trainguard.config import load_config
     from trainguard.train.launch import needs_launch, relaunch, report_from_child
     from trainguard.train.trainer import check_output_folders
+    from trainguard.utils.settings import repeated_keys
 
     cfg = load_config(args.config, args.overrides)
     check_output_folders(cfg)  # an unwritable folder is found now, not at the first save after training
@@ -132,7 +137,13 @@ def run(args) -> int:
 
     rank = dist_env()[0]
     try:
-        summary = run_training(cfg, setup=attach_from_config)
+        def setup(trainer) -> None:
+            if trainer.is_main:  # (said once the run is sure to start: bad input stays one line of error)
+                for line in repeated_keys(args.overrides):
+                    sys.stderr.write(f"trainguard: note: {line}\n")
+            attach_from_config(trainer)
+
+        summary = run_training(cfg, setup=setup)
     except KeyboardInterrupt as err:
         step = getattr(err, "step", None)
         if not report_from_child("interrupt", "", 130, step) and rank == 0:
