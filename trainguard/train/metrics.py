@@ -102,6 +102,8 @@ class MetricsLogger:
         now = time.perf_counter()
         interval = max(now - self._t_last_flush, 1e-9)
         tok_s = self._tokens_since_flush / interval
+        # The pending records are not changed until their lines are written: a Ctrl-C landing in here leaves them
+        # as they were, and close() writes them once (it used to find half-converted records and fail).
         zeros = torch.zeros((), device=self.pending[0]["loss"].device)
         vals = torch.stack(
             [torch.stack([r["loss"].detach().float().reshape(()),
@@ -109,22 +111,24 @@ class MetricsLogger:
              for r in self.pending]
         ).tolist()
         mem = peak_memory_mb(self.device)
-        for r, (loss, gn) in zip(self.pending, vals):
-            r["loss"], r["grad_norm"] = loss, (gn if r["grad_norm"] is not None else None)
-            if self.first_nonfinite_step is None and not math.isfinite(loss):
-                self.first_nonfinite_step = r["step"]
-            r["tokens_per_s"] = tok_s
-            r["peak_mem_mb"] = mem
+        done = [{**r, "loss": loss, "grad_norm": gn if r["grad_norm"] is not None else None, "tokens_per_s": tok_s,
+                 "peak_mem_mb": mem} for r, (loss, gn) in zip(self.pending, vals)]
+        text = "".join(json.dumps(_finite(r)) + "\n" for r in done)
+        try:
             if self._fh is not None:
-                self._fh.write(json.dumps(_finite(r)) + "\n")
+                self._fh.write(text)  # (one write: the records are in the file, or not yet)
+        finally:
+            self.pending = []
+            self.last = done[-1]
+        for r in done:
+            if self.first_nonfinite_step is None and not math.isfinite(r["loss"]):
+                self.first_nonfinite_step = r["step"]
             if self._tb is not None:
                 self._scalars(r)
         if self._fh is not None:
             self._fh.flush()
         if self._tb is not None:
             self._tb.flush()
-        self.last = self.pending[-1]
-        self.pending = []
         self._t_last_flush, self._tokens_since_flush = now, 0
         if self._progress is not None:
             last = self.last
