@@ -891,9 +891,7 @@ class Trainer:
             owner = json.loads((out_dir / "summary.json").read_text()).get("run_id") or None
         except (OSError, ValueError, AttributeError):
             owner = None
-        if start > 0 and owner in (None, self.run_id):
-            return
-        if start == 0 and owner is not None and owner == self.run_id:
+        if owner == self.run_id or (owner is None and start > 0):  # its own, or (no summary) most likely its own
             return
         label = owner if isinstance(owner, str) and owner.isalnum() else time.strftime("%Y%m%d-%H%M%S")
         target, n = out_dir / "previous" / label, 1
