@@ -70,18 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         if not _worker_report("interrupt", "", 130, getattr(err, "step", None)):
             sys.stderr.write("trainguard: interrupted\n")
         return 130
-    except RuntimeError as err:
-        text = _out_of_memory(err)
-        if text is None:
-            import traceback
-
-            if _worker_report("traceback", traceback.format_exc(), 1):
-                return 1
-            raise
-        if not _worker_report("error", text, 1):
-            sys.stderr.write(f"trainguard: error: {text}\n")
-        return 1
-    except Exception:
+    except Exception as err:
+        text = _out_of_memory(err) if isinstance(err, RuntimeError) else None
+        if text is not None:
+            if not _worker_report("error", text, 1):
+                sys.stderr.write(f"trainguard: error: {text}\n")
+            return 1
         import traceback
 
         if _worker_report("traceback", traceback.format_exc(), 1):

@@ -47,6 +47,7 @@ class PackedBatches:
 
     def __init__(self, streams: TokenStreams, seq_len: int, batch_size: int, seed: int = 0):
         self.streams, self.seq_len, self.batch_size, self.seed = streams, seq_len, batch_size, seed
+        self._fingerprint: str | None = None  # (fingerprint(): computed once, when first asked for)
         for name, stream in (("training", streams.train), ("validation", streams.val)):
             if stream.numel() < seq_len + 2:
                 raise DataError(
@@ -64,7 +65,7 @@ class PackedBatches:
     def fingerprint(self) -> str:
         """sha256 of the token streams (train, then validation): the corpus's contents, whatever path named it.
         A checkpoint records it, so a resume on another corpus (a file replaced, a folder grown) is refused."""
-        if getattr(self, "_fingerprint", None) is None:
+        if self._fingerprint is None:
             import hashlib
 
             h = hashlib.sha256()

@@ -63,6 +63,7 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.pt"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")  # (a step past 99,999,999 gets a ninth digit)
 _FORMAT_VERSION = re.compile(r"^trainguard-dcp-(\d+)$")
+_FORMAT_NUMBER = int(_FORMAT_VERSION.match(FORMAT).group(1))
 
 
 def _dist_on() -> bool:
@@ -152,8 +153,7 @@ def _check_manifest(path: Path, manifest: Any) -> dict:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a JSON object")
     fmt = manifest.get("format")
     version = _FORMAT_VERSION.match(fmt) if isinstance(fmt, str) else None
-    mine = int(_FORMAT_VERSION.match(FORMAT).group(1))
-    if version and int(version.group(1)) > mine:
+    if version and int(version.group(1)) > _FORMAT_NUMBER:
         raise NewerFormatError(f"checkpoint {path} was written by a newer trainguard (format {fmt}; this version "
                                f"reads {FORMAT}): upgrade trainguard to load it, or resume an "
                                "older step with --checkpoint.resume_step")
@@ -471,22 +471,26 @@ class CheckpointManager:
         # A fresh optimizer has no state; get_state_dict would initialise it (changing the run).
         return {"model": model.state_dict()}
 
-    def _supersede_later(self, step: int) -> None:
-        """Rename this run's checkpoints of steps after ``step`` to ``*.superseded``: a run that saves ``step``
-        went back before them (a resume from an earlier step), so they belong to a history it abandoned. Done at
-        each save, for a resume that set nothing aside (one already finished, then trained on through the Python
-        API; elastic replicas, whose resume plan reads only)."""
-        later = [(s, p) for s, p in self.checkpoints() if s > step and self.owned(p)]
+    def supersede_later(self, step: int, run_id: str | None = None) -> list[int]:
+        """Rename the checkpoints of run ``run_id`` (default: this manager's) of steps after ``step`` to
+        ``*.superseded``; returns their steps. A run that goes back to ``step`` (a resume from an earlier step)
+        abandons them: they belong to a history it left."""
+        later = [(s, p) for s, p in self.checkpoints() if s > step and self.owned(p, run_id)]
         for _, p in reversed(later):  # newest first: a kill midway leaves an older prefix of that history
             _set_aside(p, "superseded")
+        return [s for s, _ in later]
+
+    def _supersede_later(self, step: int) -> None:
+        """At each save: for a resume that set nothing aside (one already finished, then trained on through the
+        Python API; elastic replicas, whose resume plan reads only)."""
+        later = self.supersede_later(step)
         if later:
-            steps = ", ".join(str(s) for s, _ in later)
             self.note(f"saving step {step} of a run resumed from an earlier step: its later checkpoints (steps "
-                      f"{steps}) were renamed to *.superseded (not deleted)")
+                      f"{', '.join(map(str, later))}) were renamed to *.superseded (not deleted)")
 
     def _commit(self, tmp: Path, final: Path) -> None:
-        if os.path.lexists(final) and not (final.is_dir() and self.owned(final) and read_manifest(final) is not None):
-            # not a checkpoint of this run (no readable manifest, a file): never deleted, set aside
+        if os.path.lexists(final) and read_manifest(final) is None:
+            # not a checkpoint (no readable manifest, a file; another run's was refused in save): never deleted
             moved = _set_aside(final, "incomplete")
             self.note(f"warning: {final} was not a checkpoint of this run; moved to {moved.name}")
         if final.exists():  # the same run saving the same step again: move the old one aside, never delete it first

@@ -759,22 +759,20 @@ class Trainer:
         if refused:
             return {"error": f"cannot resume {path}: it is another run's shape or data: "
                              f"{_changes(refused)} (keep the saved values, or start a new run in another checkpoint.dir)"}
-        mine = manifest.get("run_id")
         for p, why in bad:
             if apply:
                 moved = mgr.set_aside(p, "corrupt")
                 notes.append(f"warning: {why}; moved to {moved.name}; falling back to step {manifest['step']}")
             else:
                 notes.append(f"warning: {why}; falling back to step {manifest['step']}")
-        later = [(s, p) for s, p in found if s > manifest["step"] and p.exists() and mgr.owned(p, mine)]
         # set aside now (so that a resume after a kill, and the resume command printed at Ctrl-C, start where this
         # run went back to), unless the run is already finished and trains nothing: then nothing moves. (A save
         # after such a resume, from the Python API, sets them aside itself: CheckpointManager._supersede_later.)
-        if later and apply and manifest["step"] < self.cfg.train.steps:
-            for _, p in reversed(later):  # newest first: a kill midway leaves an older prefix of that history
-                mgr.set_aside(p, "superseded")
-            notes.append(f"resuming from step {manifest['step']}: this run's later checkpoints (steps {_steps(later)}) "
-                         "were renamed to *.superseded (not deleted)")
+        if apply and manifest["step"] < self.cfg.train.steps:
+            later = mgr.supersede_later(manifest["step"], manifest.get("run_id"))
+            if later:
+                notes.append(f"resuming from step {manifest['step']}: this run's later checkpoints (steps "
+                             f"{_steps(later)}) were renamed to *.superseded (not deleted)")
         return {"resume": str(path), "manifest": manifest, "changes": changed, "notes": notes}
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -1027,8 +1025,8 @@ def _shared_run_id(cfg) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def _steps(found: list[tuple[int, Path]]) -> str:
-    steps = [s for s, _ in found]
+def _steps(found: list[tuple[int, Path]] | list[int]) -> str:
+    steps = [f if isinstance(f, int) else f[0] for f in found]
     return ", ".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]}, ..., {steps[-1]} ({len(steps)} in all)"
 
 
