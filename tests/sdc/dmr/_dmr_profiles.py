@@ -138,11 +138,13 @@ def synthetic_profile(*, blocks: int = 2, microbatches: int = 2, stages: int = 1
                     o = q.op(f"f{mb}:{b}.expert{e}", block=b, module=f"{b}.experts.{e}", microbatch=mb, dynamic=True,
                              time=rng.uniform(0.3, 1.2), in_bytes=act, out_bytes=act, ac_segment=b if ac == "full" else None)
                     seg_ops.append(o)
+                    bump(act if o.ac_segment is None else 0)  # (released in bwd like any op outside a segment)
                 q.op(f"f{mb}:{b}.a2a_back", kind="C", block=b, microbatch=mb, time=0.5)
                 q.window(f"ep-f{mb}:{b}.combine", "ep", 0.5, dynamic=True)
                 o = q.op(f"f{mb}:{b}.combine", block=b, microbatch=mb, time=0.2, in_bytes=act, out_bytes=act,
                          ac_segment=b if ac == "full" else None)
                 seg_ops.append(o)
+                bump(act if o.ac_segment is None else 0)
             in_seg = [o for o in seg_ops if o.ac_segment]
             for i, o in enumerate(in_seg):
                 o.seg_index = i

@@ -131,6 +131,46 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, profile_path, argv, msg)
     assert len(lines) == 1 and lines[0].startswith("trainguard: error:") and msg in lines[0]
 
 
+def _first(items, key):
+    return next(x for x in items if x.get(key))
+
+
+# A profile that parses but says something impossible: each was planned from as it came (a "dynamic" of "yes" read
+# as true, a gradient op of no forward op) or ended in a traceback (a meta that is a list).
+@pytest.mark.parametrize("edit, msg", [
+    (lambda d: d.__setitem__("meta", [1]), "meta must be a JSON object, got list"),
+    (lambda d: d.__setitem__("blocks", [1, 2]), "blocks must be a list of strings"),
+    (lambda d: d.__setitem__("rank", "zero"), "rank must be an integer, got 'zero'"),
+    (lambda d: d.__setitem__("iteration_s", True), "iteration_s must be a number, got True"),
+    (lambda d: d["ops"][0].__setitem__("dynamic", "yes"), "dynamic must be true or false, got 'yes'"),
+    (lambda d: d["ops"][0].__setitem__("name", 5), "name must be a string, got 5"),
+    (lambda d: d["ops"][0].__setitem__("in_bytes", 1e300), "in_bytes must be an integer"),
+    (lambda d: _first(d["ops"], "grad_of").__setitem__("grad_of", "nope"), "grad_of names 'nope', which is no op"),
+    (lambda d: _first(d["ops"], "recompute_of").__setitem__("recompute_of", "nope"), "recompute_of names 'nope'"),
+    (lambda d: d["windows"][0].__setitem__("after_op", "nope"), "after_op names 'nope', which is no op"),
+    (lambda d: d["windows"][0].__setitem__("id", 7), "window with an empty or non-string id: 7"),
+    (lambda d: d["windows"][0].__setitem__("dynamic", 1), "dynamic must be true or false, got 1"),
+    (lambda d: d.__setitem__("memory_curve", [[0.0, -5]]), "memory curve point [0.0, -5] is not (time, bytes)"),
+    (lambda d: d.__setitem__("memory_curve", [[-1.0, 5]]), "memory curve point [-1.0, 5]"),
+])
+def test_an_impossible_profile_is_refused_in_one_line(tmp_path, capsys, profile_path, edit, msg):
+    data = json.loads(profile_path.read_text())
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    rc, out, err = _run(capsys, "--profile", str(path), "--out", "", "--figure", "")
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("trainguard: error:") and msg in lines[0], err
+
+
+def test_the_synthetic_profiles_are_accepted(tmp_path, capsys):
+    """The check refuses nothing the fixtures (built as the profiler records) hold: dense and MoE, each AC mode."""
+    from trainguard.sdc.dmr.planner import validate_profile
+    for moe in (False, True):
+        for ac in ("full", "selective", "none"):
+            validate_profile(synthetic_profile(stages=2, stage=0, microbatches=3, moe=moe, ac=ac))
+
+
 @pytest.mark.skipif(importlib.util.find_spec("trainguard.sdc.dmr.profiler") is not None,
                     reason="the DMR profiler exists: --model profiles for real")
 def test_model_without_the_profiler_is_refused(capsys):

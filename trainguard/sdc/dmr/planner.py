@@ -109,13 +109,58 @@ def read_profile(path: str | Path) -> Profile:
     return profile
 
 
+# The type each field of a profile's records must have (JSON's: ``float`` takes an integer too, ``int`` no float;
+# neither takes a boolean). A profile read from a file is checked against these before anything is planned from it:
+# a field of the wrong type was otherwise planned from as it came (a ``dynamic`` of ``"yes"`` read as true) or ended in
+# a traceback deep in the planner.
+_STR, _OPT_STR, _INT, _NUM, _BOOL = "a string", "a string or null", "an integer", "a number", "true or false"
+_OP_FIELDS = {"id": _STR, "name": _STR, "phase": _STR, "kind": _STR, "module": _STR, "block": _STR,
+              "ac_segment": _OPT_STR, "seg_index": _INT, "seg_last": _BOOL, "start_s": _NUM, "time_s": _NUM,
+              "in_bytes": _INT, "out_bytes": _INT, "comm_s": _NUM, "dynamic": _BOOL, "microbatch": _INT,
+              "grad_of": _OPT_STR, "param_bytes": _INT, "recompute_of": _OPT_STR, "ac_call": _INT}
+_WINDOW_FIELDS = {"id": _STR, "kind": _STR, "start_s": _NUM, "duration_s": _NUM, "after_op": _STR, "dynamic": _BOOL,
+                  "block": _STR}
+_PROFILE_FIELDS = {"model": _STR, "strategy": _STR, "rank": _INT, "stage": _INT, "iteration_s": _NUM,
+                   "memory_budget_bytes": _INT, "peak_bytes": _INT}
+
+
+def _has_type(v: Any, want: str) -> bool:
+    if want == _BOOL:
+        return isinstance(v, bool)
+    if isinstance(v, bool):
+        return False
+    if want == _INT:
+        return isinstance(v, int)
+    if want == _NUM:
+        return isinstance(v, (int, float))
+    return isinstance(v, str) or (want == _OPT_STR and v is None)
+
+
+def _check_types(obj: Any, fields: dict[str, str], what: str, bad) -> None:
+    for k, want in fields.items():
+        v = getattr(obj, k)
+        if not _has_type(v, want):
+            raise bad(f"{what}{k} must be {want}, got {v!r}")
+
+
 def validate_profile(profile: Profile, name: str = "profile") -> None:
-    """Unique op ids, known phases and kinds, finite non-negative times and sizes, known window kinds."""
+    """Every field of the type the profile's schema gives it; unique op ids, known phases and kinds, finite
+    non-negative times and sizes, known window kinds; the ops that ``grad_of``, ``recompute_of`` and a window's
+    ``after_op`` name exist; a memory curve of non-negative (time, bytes) points."""
     def bad(msg: str) -> ConfigError:
         return ConfigError(f"{name}: {msg}")
 
     if not profile.ops:
         raise bad("no ops")
+    _check_types(profile, _PROFILE_FIELDS, "", bad)
+    if not isinstance(profile.meta, dict):
+        raise bad(f"meta must be a JSON object, got {type(profile.meta).__name__}")
+    if not isinstance(profile.blocks, list) or not all(isinstance(b, str) for b in profile.blocks):
+        raise bad(f"blocks must be a list of strings, got {profile.blocks!r}")
+    for o in profile.ops:
+        if not isinstance(o.id, str) or not o.id:
+            raise bad(f"op with an empty or non-string id: {o.id!r}")
+        _check_types(o, _OP_FIELDS, f"op {o.id}: ", bad)
     seen: set[str] = set()
     phases, kinds, wkinds = set(get_args(Phase)), set(get_args(Kind)), set(get_args(WindowKind))
     for o in profile.ops:
@@ -132,8 +177,18 @@ def validate_profile(profile: Profile, name: str = "profile") -> None:
             v = getattr(o, k)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise bad(f"op {o.id}: {k} must be a finite number >= 0, got {v!r}")
+    for o in profile.ops:
+        for k in ("grad_of", "recompute_of"):
+            ref = getattr(o, k)
+            if ref is not None and ref not in seen:
+                raise bad(f"op {o.id}: {k} names {ref!r}, which is no op of the profile")
     wseen: set[str] = set()
     for w in profile.windows:
+        if not isinstance(w.id, str) or not w.id:
+            raise bad(f"window with an empty or non-string id: {w.id!r}")
+        _check_types(w, _WINDOW_FIELDS, f"window {w.id}: ", bad)
+        if w.after_op and w.after_op not in seen:
+            raise bad(f"window {w.id}: after_op names {w.after_op!r}, which is no op of the profile")
         if w.id in wseen:
             raise bad(f"duplicate window id {w.id!r}")
         wseen.add(w.id)
@@ -144,8 +199,9 @@ def validate_profile(profile: Profile, name: str = "profile") -> None:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise bad(f"window {w.id}: {k} must be a finite number >= 0, got {v!r}")
     for pt in profile.memory_curve:
-        if len(pt) != 2 or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in pt):
-            raise bad(f"memory curve point {pt!r} is not (time, bytes)")
+        if len(pt) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                                   and x >= 0 for x in pt):
+            raise bad(f"memory curve point {list(pt)!r} is not (time, bytes), both finite and >= 0")
     for k in ("memory_budget_bytes", "peak_bytes", "iteration_s"):
         v = getattr(profile, k)
         if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
