@@ -2,6 +2,7 @@
 the right groups, bad input is refused in one line."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -82,6 +83,21 @@ def test_trace_replay_maps_gpus_to_groups_and_repeats(tmp_path):
         load_trace(tmp_path / "bad2.csv")
     with pytest.raises(TrainguardError, match="cannot read"):
         load_trace(tmp_path / "missing.csv")
+
+
+@pytest.mark.parametrize("content, msg", [
+    (b"time_h,gpu\n1,\xff\xfe\n", "is not a text (UTF-8) CSV file"),  # (was a UnicodeDecodeError traceback)
+    (b"time_h,gpu,gpu\n1,2,3\n", "names the column gpu twice"),  # (the first gpu column was dropped unread)
+    (b"time_h,GPU,gpu\n1,2,3\n", "names the column gpu twice"),
+    (b"time_h,gpu\n1,2,extra\n", "line 2 has more fields than its header (2)"),  # (the extra field was ignored)
+    (b"time_h\n1e308\n", "times must be finite and >= 0"),  # (hours overflowing to inf seconds)
+    (b'time_h\n"1\n', "is not a valid CSV file"),  # (an unclosed quote was read as a value)
+])
+def test_a_trace_file_that_cannot_be_read_as_written_is_refused(tmp_path, content, msg):
+    path = tmp_path / "trace.csv"
+    path.write_bytes(content)
+    with pytest.raises(TrainguardError, match=re.escape(msg)):
+        load_trace(path)
 
 
 def test_trace_without_ids_hits_seeded_random_groups(tmp_path):

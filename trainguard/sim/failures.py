@@ -103,9 +103,19 @@ def load_trace(path: str | Path, period_s: float | None = None) -> Trace:
         text = path.read_text()
     except OSError as err:
         raise TrainguardError(f"cannot read failure trace {path}: {err.strerror or err}") from None
-    rows = list(csv.DictReader(text.splitlines()))
+    except UnicodeDecodeError:
+        raise TrainguardError(f"failure trace {path} is not a text (UTF-8) CSV file") from None
+    try:
+        reader = csv.DictReader(text.splitlines(), strict=True)  # (strict: an unclosed quote is an error, not a value)
+        rows = list(reader)
+    except csv.Error as err:
+        raise TrainguardError(f"failure trace {path} is not a valid CSV file: {err}") from None
     if not rows:
         raise TrainguardError(f"failure trace {path} has no rows (expected a header and one failure per line)")
+    header = [c.strip().lower() for c in reader.fieldnames or []]
+    if twice := sorted({c for c in header if header.count(c) > 1}):
+        # (csv keeps the last of a column named twice: the other would be read as if it were not there)
+        raise TrainguardError(f"failure trace {path} names the column {', '.join(twice)} twice in its header")
     cols = {c.strip().lower(): c for c in rows[0] if c is not None}
     if "time_s" in cols:
         tkey, unit = cols["time_s"], 1.0
@@ -117,13 +127,16 @@ def load_trace(path: str | Path, period_s: float | None = None) -> Trace:
     kind = "gpu" if "gpu" in cols else ("group" if "group" in cols else None)
     times, ids = [], []
     for i, row in enumerate(rows, start=2):
+        if None in row:  # (csv puts the fields past the header's under the key None)
+            raise TrainguardError(f"failure trace {path} line {i} has more fields than its header ({len(header)})")
         try:
             t = float(row[tkey]) * unit
             ident = int(row[idkey]) if idkey else -1
         except (TypeError, ValueError):
             raise TrainguardError(f"failure trace {path} line {i}: cannot parse {row!r}") from None
         if not (t >= 0 and math.isfinite(t)) or (idkey and ident < 0):
-            raise TrainguardError(f"failure trace {path} line {i}: times and ids must be >= 0, got {row!r}")
+            raise TrainguardError(f"failure trace {path} line {i}: times must be finite and >= 0 (in seconds) and ids "
+                                  f">= 0, got {row!r}")
         times.append(t)
         ids.append(ident)
     order = np.argsort(np.asarray(times), kind="stable")
