@@ -112,11 +112,11 @@ def load_trace(path: str | Path, period_s: float | None = None) -> Trace:
         raise TrainguardError(f"failure trace {path} is not a valid CSV file: {err}") from None
     if not rows:
         raise TrainguardError(f"failure trace {path} has no rows (expected a header and one failure per line)")
-    header = [c.strip().lower() for c in reader.fieldnames or []]
+    header = [c.strip().lower() for c in reader.fieldnames]  # (read with the first row: there is one)
     if twice := sorted({c for c in header if header.count(c) > 1}):
         # (csv keeps the last of a column named twice: the other would be read as if it were not there)
         raise TrainguardError(f"failure trace {path} names the column {', '.join(twice)} twice in its header")
-    cols = {c.strip().lower(): c for c in rows[0] if c is not None}
+    cols = dict(zip(header, reader.fieldnames))
     if "time_s" in cols:
         tkey, unit = cols["time_s"], 1.0
     elif "time_h" in cols:

@@ -728,7 +728,7 @@ class Trainer:
             if found and not cc.start_over:
                 runs = sorted({mgr.run_of(p) or "of an older version" for _, p in found})
                 return {"error": f"checkpoint.dir {mgr.dir} holds checkpoints of another run (run {', '.join(runs)}; "
-                                 f"steps {_steps(found)}): continue it with --checkpoint.resume true, delete them with "
+                                 f"steps {_steps([s for s, _ in found])}): continue it with --checkpoint.resume true, delete them with "
                                  f"--checkpoint.start_over true, or choose another checkpoint.dir"}
             if found and apply:
                 runs = sorted({mgr.run_of(p) or "?" for _, p in found})
@@ -737,13 +737,13 @@ class Trainer:
                     os.rename(p, gone)
                     shutil.rmtree(gone, ignore_errors=True)
                 notes.append(f"checkpoint.start_over: deleted {len(found)} checkpoint(s) of run {', '.join(runs)} "
-                             f"(steps {_steps(found)}) in {mgr.dir}")
+                             f"(steps {_steps([s for s, _ in found])}) in {mgr.dir}")
             return {"notes": notes} if apply else {}
         step = cc.resume_step if cc.resume_step >= 0 else None
         path, manifest, bad = mgr.newest_intact(step)
         if path is None:
             if step is not None:
-                why = f": {bad[0][1]}" if bad else f" (its checkpoints: steps {_steps(found) or 'none'})"
+                why = f": {bad[0][1]}" if bad else f" (its checkpoints: steps {_steps([s for s, _ in found]) or 'none'})"
                 return {"error": f"checkpoint.resume_step {step}: no intact checkpoint of that step in {mgr.dir}{why}"}
             if bad:
                 return {"error": f"no intact checkpoint in {mgr.dir} to resume: {bad[0][1]}"
@@ -1025,8 +1025,7 @@ def _shared_run_id(cfg) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def _steps(found: list[tuple[int, Path]] | list[int]) -> str:
-    steps = [f if isinstance(f, int) else f[0] for f in found]
+def _steps(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]}, ..., {steps[-1]} ({len(steps)} in all)"
 
 

@@ -157,15 +157,12 @@ def validate_profile(profile: Profile, name: str = "profile") -> None:
         raise bad(f"meta must be a JSON object, got {type(profile.meta).__name__}")
     if not isinstance(profile.blocks, list) or not all(isinstance(b, str) for b in profile.blocks):
         raise bad(f"blocks must be a list of strings, got {profile.blocks!r}")
-    for o in profile.ops:
-        if not isinstance(o.id, str) or not o.id:
-            raise bad(f"op with an empty or non-string id: {o.id!r}")
-        _check_types(o, _OP_FIELDS, f"op {o.id}: ", bad)
     seen: set[str] = set()
     phases, kinds, wkinds = set(get_args(Phase)), set(get_args(Kind)), set(get_args(WindowKind))
     for o in profile.ops:
         if not isinstance(o.id, str) or not o.id:
             raise bad(f"op with an empty or non-string id: {o.id!r}")
+        _check_types(o, _OP_FIELDS, f"op {o.id}: ", bad)
         if o.id in seen:
             raise bad(f"duplicate op id {o.id!r}")
         seen.add(o.id)
