@@ -51,6 +51,12 @@ def test_missing_file():
         load_config("/nonexistent/x.toml")
 
 
+def test_a_folder_or_a_device_given_as_the_config_file_is_named_for_what_it_is(tmp_path):
+    for path in (tmp_path, "/dev/null"):
+        with pytest.raises(ConfigError, match="config file is not a regular file"):
+            load_config(path)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [  # accepted before the config sections were validated from their own classes (and did something else)

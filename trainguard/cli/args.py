@@ -59,3 +59,13 @@ def check_figure(path: str, flag: str) -> None:
 
     if Path(path).suffix.lower() not in FIGURE_SUFFIXES:
         raise ConfigError(f"{flag} must end in .png, .svg or .pdf, got {path!r}")
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """An output flag's path must not name a folder (refused before any work, not after it)."""
+    from pathlib import Path
+
+    from trainguard.errors import ConfigError
+
+    if Path(path).is_dir():
+        raise ConfigError(f"{flag} names a folder, not a file: {path}")

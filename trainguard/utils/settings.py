@@ -61,8 +61,10 @@ def load_settings(cls: type, path: str | Path | None = None, overrides: list[str
 
 def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError(f"config file not found: {path}")
+    if not p.is_file():  # a folder or a device: reading it would fail, or hang on a FIFO
+        raise ConfigError(f"config file is not a regular file: {path}")
     try:
         text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:

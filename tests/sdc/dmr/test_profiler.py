@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from trainguard.cli.main import main
 from trainguard.sdc.dmr.planner import PlannerConfig, plan_static
 from trainguard.sdc.dmr.profiler import profile_run
@@ -35,17 +37,36 @@ def test_plan_dmr_profiles_a_model(capsys):
 
 def test_plan_dmr_profiles_a_pipeline_with_replicas_and_plans_into_its_dp_window_on_request(tmp_path, capsys):
     """``--pp 2 --dp 2``: four processes; rank 0's profile has the stage's gradient all-reduce as a dp window, and
-    ``--dp-windows`` plans checks into it (by default none go there)."""
+    ``--dp-windows`` plans checks into it (by default none go there). The mesh is profiled once: ``--save-profile``
+    keeps the profile, and the second plan is made from that file."""
     from trainguard.sdc.dmr.plan import Plan
+    from trainguard.sdc.dmr.planner import read_profile
 
+    saved = tmp_path / "profiles" / "mesh.json"  # (its folder does not exist yet: made on save)
     planned = {}
-    for flag in ("--dp-windows", "--no-dp-windows"):
+    for flag, source in (("--dp-windows", ["--model", "llama-tiny", "--pp", "2", "--dp", "2", "--steps", "1",
+                                           "--save-profile", str(saved)]),
+                         ("--no-dp-windows", ["--profile", str(saved)])):
         out = tmp_path / f"{flag}.json"
-        rc = main(["plan", "dmr", "--model", "llama-tiny", "--pp", "2", "--dp", "2", "--steps", "1", flag,
-                   "--out", str(out), "--figure", "", "--json"])
+        rc = main(["plan", "dmr", *source, flag, "--out", str(out), "--figure", "", "--json"])
         assert rc == 0
         assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["summary"]["coverage"] == 1.0
         plan = Plan.load(out)
         assert "dp:0" in {w.id for w in plan.windows}
         planned[flag] = [k for k, o in plan.ops.items() if o.window == "dp:0"]
+    assert "dp:0" in {w.id for w in read_profile(saved).windows}
     assert planned["--dp-windows"] and not planned["--no-dp-windows"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--profile", "{p}", "--save-profile", "{d}/x.json"], "--save-profile needs --model"),
+    (["--model", "llama-tiny", "--save-profile", "{d}"], "--save-profile names a folder, not a file"),
+])
+def test_plan_dmr_save_profile_is_refused_in_one_line_before_any_profiling(tmp_path, capsys, argv, message):
+    from _dmr_profiles import synthetic_profile
+
+    p = tmp_path / "p.json"
+    synthetic_profile().save(p)
+    rc = main(["plan", "dmr", *(a.format(p=p, d=tmp_path) for a in argv), "--out", "", "--figure", ""])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and message in err and len(err.splitlines()) == 1, err

@@ -5,7 +5,8 @@
 (trainguard.sdc.dmr.profile), plans it (trainguard.sdc.dmr.planner), prints the summary next to the No-DMR and
 Naive-Only baselines, writes the plan JSON and the timeline figure (trainguard.report.dmr_timeline).
 ``--model M [--pp 2] [--dp 1] [--steps N]`` profiles a model first with
-``trainguard.sdc.dmr.profiler.profile_run`` where that exists (rank 0's iteration).
+``trainguard.sdc.dmr.profiler.profile_run`` where that exists (rank 0's iteration); ``--save-profile P.json``
+keeps that profile, so other plans of it (``--profile P.json``) need no second profiling run.
 Registered by ``plan.py``.
 """
 
@@ -16,8 +17,9 @@ import importlib
 import importlib.util
 import math
 import re
+from pathlib import Path
 
-from trainguard.cli.args import check_figure, finite_float
+from trainguard.cli.args import check_figure, check_output_file, finite_float
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
 from trainguard.errors import ConfigError, TrainguardError
 from trainguard.sdc.dmr.config import CARRY_MODES, DMRConfig
@@ -47,6 +49,8 @@ def register_plan(subparsers) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas for --model (with --pp 2: a mesh of "
                    "pp x dp processes, whose stages' gradient all-reduce is a dp window)")
     p.add_argument("--steps", type=int, default=3, help="profiled iterations for --model")
+    p.add_argument("--save-profile", default="", help="with --model: write the measured profile here, to plan it "
+                   "again with --profile without profiling again ('' to skip, the default)")
     p.add_argument("--phases", default="1,2,3", help="planner phases: 1, 1,2 or 1,2,3 (default)")
     p.add_argument("--memory-budget", default=None, help="device memory budget (default: the profile's), e.g. 80GiB")
     p.add_argument("--pdmr-tail", choices=("defer", "recompute"), default="defer",
@@ -102,7 +106,17 @@ def run(args) -> int:
         raise ConfigError(f"--window-fill must be in (0, 1], got {args.window_fill}")
     if args.figure:
         check_figure(args.figure, "--figure")
+    if args.save_profile and not args.model:
+        raise ConfigError("--save-profile needs --model (a profile given with --profile is already a file)")
+    if args.save_profile:
+        check_output_file(args.save_profile, "--save-profile")
     profile, source = _profile(args)
+    if args.save_profile:
+        try:
+            Path(args.save_profile).parent.mkdir(parents=True, exist_ok=True)
+            profile.save(args.save_profile)
+        except OSError as err:
+            raise TrainguardError(f"cannot write {args.save_profile}: {err.strerror or err}") from None
     plan = plan_static(profile, PlannerConfig(phases=phases, memory_budget_bytes=budget, pdmr_tail=args.pdmr_tail,
                                               window_fill=args.window_fill, carry=args.carry,
                                               use_dp_windows=args.dp_windows))
