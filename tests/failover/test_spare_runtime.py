@@ -137,7 +137,8 @@ def test_random_kills_from_outside_each_run_equals_the_fault_free_run():
     total = runs = 0
     while total < 20:
         assert runs < 8, f"only {total} kills landed in {runs} runs"
-        res, kills, ended = _run_under_random_kills(cfg, 6, seed=runs)
+        # (7 a run: 3 runs reach 20 when all land; a run's set-up costs about as much as its kills)
+        res, kills, ended = _run_under_random_kills(cfg, 7, seed=runs)
         _assert_bitwise_equal(res.state, ref)
         assert res.survivors_agree and not res.errors
         assert [lg["step"] for lg in res.step_logs] == list(range(cfg.steps))

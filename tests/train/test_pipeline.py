@@ -108,6 +108,18 @@ def clean_pp2(tmp_path_factory):
     return run_dist(tmp_path_factory.mktemp("pp"), "clean", 2, "clean", *PP)
 
 
+MESH = [*PP, "--distributed.dp", "2"]
+
+
+@pytest.fixture(scope="module")
+def clean_mesh(tmp_path_factory):
+    """The fault-free 2 x 2 mesh (2 stages, 2 replicas), run once per worker for the mesh tests below (an emulated
+    link delay changes when transfers land, never what they carry: those runs are compared with this one too)."""
+    clean = run_dist(tmp_path_factory.mktemp("mesh"), "clean", 4, "clean", *MESH)
+    assert_bitwise(clean[2:], clean[:2])  # the replicas agree
+    return clean
+
+
 @pytest.mark.slow
 def test_two_stages_match_one_process_with_checkpointing_and_accumulation(clean_pp2):
     single = Trainer(load_config(None, BASE + ["--train.grad_accum", "2", "--train.activation_checkpoint", "full"]))
@@ -165,7 +177,7 @@ def test_two_ranks_that_stop_in_the_same_look_while_a_third_asks_for_a_retry_sto
     look, and (``before``) rank 3 asks for a retry of that step there: the stop wins over the retry (nothing is
     re-executed), each stopping rank raises its own error, the others the lowest stopping rank's, and every guard on
     every rank hears that one stop, once."""
-    mesh = [*PP, "--distributed.dp", "2"]
+    mesh = MESH
     got = run_dist(tmp_path, "suspect", 4, f"suspect:1,2:2:{stage}" + (":3" if stage == "before" else ""), *mesh)
     own = {r: f"test: rank {r} stops at step 2 ({stage} the update)" for r in (1, 2)}
     assert [r["stop"]["message"] for r in got] == [f"rank 1 stopped the run: {own[1]}", own[1], own[2],
@@ -217,13 +229,10 @@ def test_abft_on_a_later_stage_corrects_an_injected_nan(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_by_two_mesh_retry_is_bitwise_equal_to_clean(tmp_path):
-    mesh = [*PP, "--distributed.dp", "2"]
-    clean = run_dist(tmp_path, "clean", 4, "clean", *mesh)
-    got = run_dist(tmp_path, "retry", 4, "retry:2:1:after", *mesh)  # rank 2: replica 1, stage 0
+def test_two_by_two_mesh_retry_is_bitwise_equal_to_clean(tmp_path, clean_mesh):
+    got = run_dist(tmp_path, "retry", 4, "retry:2:1:after", *MESH)  # rank 2: replica 1, stage 0
     assert [s["attempts"] for s in got[3]["steps"]] == [1, 2, 1, 1]
-    assert_bitwise(got, clean)
-    assert_bitwise(clean[2:], clean[:2])  # the replicas agree
+    assert_bitwise(got, clean_mesh)
 
 
 @pytest.mark.slow
@@ -231,10 +240,9 @@ def test_two_by_two_mesh_retry_is_bitwise_equal_to_clean(tmp_path):
     ("dmrmany:2:forward,backward,recompute,optimizer", [2, 1, 2, 1]),  # a fault on every rank, each its own phase
     ("dmrmany:1:optimizer,optimizer,backward,forward", [2, 2, 1, 1]),  # two repaired updates and two retries
 ])
-def test_dmr_on_a_two_by_two_mesh_with_a_fault_on_every_rank_at_once_ends_bitwise(tmp_path, mode, attempts):
-    mesh = [*PP, "--distributed.dp", "2"]
-    clean = run_dist(tmp_path, "clean", 4, "clean", *mesh)
-    got = run_dist(tmp_path, "dmr", 4, mode, *mesh, "--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true")
+def test_dmr_on_a_two_by_two_mesh_with_a_fault_on_every_rank_at_once_ends_bitwise(tmp_path, clean_mesh, mode,
+                                                                                 attempts):
+    got = run_dist(tmp_path, "dmr", 4, mode, *MESH, "--sdc.dmr.enabled", "true", "--sdc.dmr.coverage", "true")
     assert all(r["fired"] for r in got) and any(r["dmr"].get("detected") for r in got)
     # (not every rank need count its own: a comparison the plan leaves for after the step's verdict, carried into the
     # next iteration, is dropped with the attempt when another rank's mismatch re-executes it, and the re-execution
@@ -258,19 +266,18 @@ def test_dmr_on_a_two_by_two_mesh_with_a_fault_on_every_rank_at_once_ends_bitwis
         assert not any(s == k for s, _, _ in found), found  # nothing was found before step k's verdict
         assert any(s == k + 1 and ("(carry)" in d or st == "carried") for s, st, d in found), found
     assert all(r["dmr_coverage"] == 1.0 for r in got)
-    assert_bitwise(got, clean)
+    assert_bitwise(got, clean_mesh)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 3])
-def test_dmr_on_a_two_by_two_mesh_defers_checks_into_the_replicas_gradient_all_reduce(tmp_path, rank):
+def test_dmr_on_a_two_by_two_mesh_defers_checks_into_the_replicas_gradient_all_reduce(tmp_path, clean_mesh, rank):
     """In a pipeline with replicas each stage all-reduces its gradients over its replicas after the schedule, with
     nothing to compute meanwhile: a ``dp`` window. With ``[sdc.dmr] dp_windows`` the plan defers checks into it (an
     emulated 60 ms link makes it long enough whatever the host's load), and a bit flip in the output of rank
     ``rank``'s first op planned there (stage 0 of replica 0, stage 1 of replica 1; aimed by the engine's op id) is
     found by that op's check and no other; every rank re-executes the step, bitwise."""
-    mesh = [*PP, "--distributed.dp", "2", "--distributed.emulate_link_delay_ms", "60"]
-    clean = run_dist(tmp_path, "clean", 4, "clean", *mesh)
+    mesh = [*MESH, "--distributed.emulate_link_delay_ms", "60"]
     # (profile_steps 3: the plan from each op's median of three profiled attempts. Planned from one, on a loaded host,
     # a stage once planned nothing into its dp window: 1 failure in a full suite run, not reproduced alone in 6)
     got = run_dist(tmp_path, "dmr", 4, f"dmrwin:{rank}:2:dp", *mesh, "--sdc.dmr.enabled", "true",
@@ -286,8 +293,7 @@ def test_dmr_on_a_two_by_two_mesh_defers_checks_into_the_replicas_gradient_all_r
                for r in got), [r["dmr_counts"] for r in got]
     assert got[rank]["agc"]["fired"] == [(2, op)]
     assert all(r["dmr_coverage"] == 1.0 for r in got)
-    assert_bitwise(got, clean)
-    assert_bitwise(clean[2:], clean[:2])
+    assert_bitwise(got, clean_mesh)
 
 
 @pytest.mark.slow
