@@ -150,7 +150,32 @@ def test_a_file_system_without_locks_is_named_and_the_run_goes_on(tmp_path, batc
     t.close()
 
 
-def test_a_pipeline_run_in_a_folder_in_use_stops_on_every_rank_in_one_line(tmp_path):
+# ``trainguard train`` with ``where``: "launch" records whether the launcher started any rank; "ranks" skips the CLI's
+# look before the launch, so the ranks meet the busy folder themselves (another run took it in between)
+_TRAIN = textwrap.dedent("""
+    import sys
+    import trainguard.train.launch as launch
+    import trainguard.train.run_lock as run_lock
+    from trainguard.cli.main import main
+
+    where = sys.argv[1]
+    if where == "ranks":
+        run_lock.wait_until_free = lambda *a, **k: None
+    real = launch.relaunch
+
+    def relaunch(*a, **k):
+        sys.stderr.write("test: ranks launched\\n")
+        return real(*a, **k)
+
+    launch.relaunch = relaunch
+    sys.exit(main(sys.argv[2:]))
+""")
+
+
+@pytest.mark.parametrize("where", ["launch", "ranks"])
+def test_a_pipeline_run_in_a_folder_in_use_stops_on_every_rank_in_one_line(tmp_path, where):
+    """Found before any rank starts (the CLI looks first, so a busy folder costs no model build), or, where
+    another run took the folder after that look, by the main rank, which stops every rank in one line."""
     ck = tmp_path / "ck"
     holder = _holder(f"""
         run_lock.acquire_main({str(ck)!r}, 0, print)
@@ -158,7 +183,7 @@ def test_a_pipeline_run_in_a_folder_in_use_stops_on_every_rank_in_one_line(tmp_p
         time.sleep(120)
     """)
     try:
-        argv = [sys.executable, "-m", "trainguard", "train", "--distributed.pp", "2", "--model.n_layers", "2",
+        argv = [sys.executable, "-c", _TRAIN, where, "train", "--distributed.pp", "2", "--model.n_layers", "2",
                 "--data.max_bytes", "200000", "--data.seq_len", "32", "--train.steps", "2", "--train.eval_every", "0",
                 "--output.dir", "", "--output.progress", "false", "--checkpoint.dir", str(ck),
                 "--checkpoint.lock_wait_s", "1"]
@@ -172,6 +197,7 @@ def test_a_pipeline_run_in_a_folder_in_use_stops_on_every_rank_in_one_line(tmp_p
     assert len(errors) == 1 and f"is in use by another run, or by this run's processes still stopping (pid {holder.pid})" \
         in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    assert ("test: ranks launched" in proc.stderr) == (where == "ranks"), proc.stderr[-3000:]
     assert not _steps(ck)
 
 

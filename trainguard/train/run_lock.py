@@ -167,6 +167,32 @@ def acquire_main(directory: str | Path, wait_s: float, note: Callable[[str], Non
     _held[key] = [[fd], 1]
 
 
+def wait_until_free(directory: str | Path, wait_s: float, note: Callable[[str], None]) -> None:
+    """Before a run builds anything: wait, as :func:`acquire_main` would, until no process holds the folder, and
+    let it go again. A busy folder is then found in a second, not after every rank has built its model and read
+    its data; the main rank still takes the folder itself later (another run may take it in between, and that
+    wait is counted again). Lock files that are absent or cannot be opened are left to the main rank's own take."""
+    directory = Path(directory)
+    if _key(directory) in _held:
+        return
+    fds = []
+    try:
+        for name in (LOCK, RANKS_LOCK):
+            try:
+                fds.append(os.open(directory / name, os.O_RDONLY))
+            except OSError:
+                pass
+        told, deadline = [False], time.monotonic() + wait_s
+        for fd in fds:
+            if not _take(fd, directory, deadline, wait_s, note, told):
+                return  # (no flock here: the main rank says so)
+        if told[0]:
+            note(f"checkpoint.dir {directory} is free: this run goes on")
+    finally:
+        for fd in fds:
+            os.close(fd)  # (closing lets the lock go)
+
+
 def acquire_rank(directory: str | Path) -> None:
     """A non-main rank's side, after the main rank holds the folder: hold ``.lock.ranks`` shared."""
     directory = Path(directory)

@@ -119,6 +119,7 @@ def run(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     check_output_folders(cfg)  # an unwritable folder is found now, not at the first save after training
+    _wait_for_the_checkpoint_folder(cfg)
     if needs_launch(cfg):
         from trainguard.data import resolve_files
 
@@ -162,6 +163,20 @@ def run(args) -> int:
     if args.json:
         emit_json(d)
     return 143 if preempted else 0
+
+
+def _wait_for_the_checkpoint_folder(cfg) -> None:
+    """A checkpoint folder in use by another run is found before the model is built and the data read (the
+    trainer's main rank takes the folder's lock later, as ever). Not for a rank of a launch (its launcher looked)
+    nor for elastic replicas, which share one folder by design and lock nothing."""
+    from trainguard.train.launch import under_launcher
+
+    if not cfg.checkpoint.dir or under_launcher() or cfg.distributed.strategy == "elastic":
+        return
+    from trainguard.train import run_lock
+
+    run_lock.wait_until_free(cfg.checkpoint.dir, cfg.checkpoint.lock_wait_s,
+                             lambda text: sys.stderr.write(f"trainguard: note: {text}\n"))
 
 
 def _interrupted(cfg, args, step) -> str:
