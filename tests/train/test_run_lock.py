@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -229,3 +230,44 @@ def test_the_holder_named_is_the_process_that_stamped_the_lock_not_a_later_one_w
                          (f"{me} {host} trainguard train\n", True)):  # no start time: the pid is all there is
         (tmp_path / run_lock.LOCK).write_text(stamp)
         assert (run_lock._who(tmp_path) == f"pid {me}") is named
+
+
+def test_the_look_before_a_launch_waits_for_the_holder_takes_nothing_and_never_hangs(tmp_path, capfd):
+    """``wait_until_free`` (the CLI's look before it builds a run): it waits while a process holds the folder, says
+    who, goes on once that process is gone, and holds nothing afterwards; a lock file it cannot lock (a FIFO
+    someone left there) neither hangs it nor is taken for a free folder by the main rank's own take."""
+    ck = tmp_path / "ck"
+    holder = _holder(f"""
+        run_lock.acquire_main({str(ck)!r}, 0, print)
+        print("ready", flush=True)
+        time.sleep(1.0)
+    """)
+    t0 = time.monotonic()
+    run_lock.wait_until_free(ck, 60, lambda text: print(text, file=sys.stderr))
+    waited = time.monotonic() - t0
+    holder.wait(timeout=60)
+    err = capfd.readouterr().err
+    assert f"is in use (pid {holder.pid}" in err and "is free: this run goes on" in err, err
+    assert 0.3 < waited < 30
+    assert str(ck.resolve()) not in run_lock._held  # nothing taken: the main rank takes the folder itself
+    run_lock.acquire_main(ck, 0, print)  # (at once: the look let it go)
+    run_lock.release(ck)
+    with pytest.raises(CheckpointError, match="is in use"):  # the look is not fooled into calling a held folder free
+        other = _holder(f"""
+            run_lock.acquire_main({str(ck)!r}, 0, print)
+            print("ready", flush=True)
+            time.sleep(60)
+        """)
+        try:
+            run_lock.wait_until_free(ck, 0.2, print)
+        finally:
+            other.kill()
+            other.wait()
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / run_lock.LOCK)
+    done = []
+    worker = threading.Thread(target=lambda: done.append(run_lock.wait_until_free(fifo, 0.2, print)), daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    assert done == [None], "the look hung on a FIFO lock file"

@@ -179,7 +179,7 @@ def wait_until_free(directory: str | Path, wait_s: float, note: Callable[[str], 
     try:
         for name in (LOCK, RANKS_LOCK):
             try:
-                fds.append(os.open(directory / name, os.O_RDONLY))
+                fds.append(os.open(directory / name, os.O_RDONLY | os.O_NONBLOCK))  # (a FIFO there: no hang)
             except OSError:
                 pass
         told, deadline = [False], time.monotonic() + wait_s
