@@ -177,8 +177,7 @@ def test_two_ranks_that_stop_in_the_same_look_while_a_third_asks_for_a_retry_sto
     look, and (``before``) rank 3 asks for a retry of that step there: the stop wins over the retry (nothing is
     re-executed), each stopping rank raises its own error, the others the lowest stopping rank's, and every guard on
     every rank hears that one stop, once."""
-    mesh = MESH
-    got = run_dist(tmp_path, "suspect", 4, f"suspect:1,2:2:{stage}" + (":3" if stage == "before" else ""), *mesh)
+    got = run_dist(tmp_path, "suspect", 4, f"suspect:1,2:2:{stage}" + (":3" if stage == "before" else ""), *MESH)
     own = {r: f"test: rank {r} stops at step 2 ({stage} the update)" for r in (1, 2)}
     assert [r["stop"]["message"] for r in got] == [f"rank 1 stopped the run: {own[1]}", own[1], own[2],
                                                     f"rank 1 stopped the run: {own[1]}"]

@@ -99,6 +99,17 @@ def _take(fd: int, directory: Path, deadline: float, wait_s: float, note: Callab
         time.sleep(_POLL_S)
 
 
+def _take_all(fds: list[int], directory: Path, wait_s: float, note: Callable[[str], None]) -> bool:
+    """:func:`_take` each of ``fds`` within one ``wait_s``; says once the folder is free if it had to wait."""
+    told, deadline = [False], time.monotonic() + wait_s
+    for fd in fds:
+        if not _take(fd, directory, deadline, wait_s, note, told):
+            return False
+    if told[0]:
+        note(f"checkpoint.dir {directory} is free: this run goes on")
+    return True
+
+
 def _start_ticks(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot, ``/proc/PID/stat``'s field 22), or None where that
     cannot be read: a pid and its start time name one process, a pid alone may be reused."""
@@ -145,9 +156,8 @@ def acquire_main(directory: str | Path, wait_s: float, note: Callable[[str], Non
     except CheckpointError:
         os.close(fd)
         raise
-    told, deadline = [False], time.monotonic() + wait_s
     try:
-        ok = _take(fd, directory, deadline, wait_s, note, told) and _take(ranks, directory, deadline, wait_s, note, told)
+        ok = _take_all([fd, ranks], directory, wait_s, note)
     except BaseException:
         os.close(fd)
         os.close(ranks)
@@ -158,8 +168,6 @@ def acquire_main(directory: str | Path, wait_s: float, note: Callable[[str], Non
         note(f"warning: checkpoint.dir {directory} cannot be locked on this file system: a second run using it "
              "at the same time would not be noticed")
         return
-    if told[0]:
-        note(f"checkpoint.dir {directory} is free: this run goes on")
     _stamp(fd, truncate=True)
     os.ftruncate(ranks, 0)  # (every rank named there has exited)
     fcntl.flock(ranks, fcntl.LOCK_UN)  # the ranks of this run take it shared next
@@ -182,12 +190,7 @@ def wait_until_free(directory: str | Path, wait_s: float, note: Callable[[str], 
                 fds.append(os.open(directory / name, os.O_RDONLY | os.O_NONBLOCK))  # (a FIFO there: no hang)
             except OSError:
                 pass
-        told, deadline = [False], time.monotonic() + wait_s
-        for fd in fds:
-            if not _take(fd, directory, deadline, wait_s, note, told):
-                return  # (no flock here: the main rank says so)
-        if told[0]:
-            note(f"checkpoint.dir {directory} is free: this run goes on")
+        _take_all(fds, directory, wait_s, note)  # (False, no flock here: the main rank's take says so)
     finally:
         for fd in fds:
             os.close(fd)  # (closing lets the lock go)

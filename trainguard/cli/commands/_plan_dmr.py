@@ -17,7 +17,6 @@ import importlib
 import importlib.util
 import math
 import re
-from pathlib import Path
 
 from trainguard.cli.args import check_figure, check_output_file, finite_float
 from trainguard.cli.output import add_json_flag, console, emit_json, err_console, table
@@ -106,14 +105,13 @@ def run(args) -> int:
         raise ConfigError(f"--window-fill must be in (0, 1], got {args.window_fill}")
     if args.figure:
         check_figure(args.figure, "--figure")
-    if args.save_profile and not args.model:
-        raise ConfigError("--save-profile needs --model (a profile given with --profile is already a file)")
     if args.save_profile:
+        if not args.model:
+            raise ConfigError("--save-profile needs --model (a profile given with --profile is already a file)")
         check_output_file(args.save_profile, "--save-profile")
     profile, source = _profile(args)
     if args.save_profile:
         try:
-            Path(args.save_profile).parent.mkdir(parents=True, exist_ok=True)
             profile.save(args.save_profile)
         except OSError as err:
             raise TrainguardError(f"cannot write {args.save_profile}: {err.strerror or err}") from None
