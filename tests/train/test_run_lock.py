@@ -235,7 +235,7 @@ def test_the_holder_named_is_the_process_that_stamped_the_lock_not_a_later_one_w
 def test_the_look_before_a_launch_waits_for_the_holder_takes_nothing_and_never_hangs(tmp_path, capfd):
     """``wait_until_free`` (the CLI's look before it builds a run): it waits while a process holds the folder, says
     who, goes on once that process is gone, and holds nothing afterwards; a lock file it cannot lock (a FIFO
-    someone left there) neither hangs it nor is taken for a free folder by the main rank's own take."""
+    someone left there) neither hangs it nor is taken for a free folder: the look and the main rank's take refuse it."""
     ck = tmp_path / "ck"
     holder = _holder(f"""
         run_lock.acquire_main({str(ck)!r}, 0, print)
@@ -267,7 +267,35 @@ def test_the_look_before_a_launch_waits_for_the_holder_takes_nothing_and_never_h
     fifo.mkdir()
     os.mkfifo(fifo / run_lock.LOCK)
     done = []
-    worker = threading.Thread(target=lambda: done.append(run_lock.wait_until_free(fifo, 0.2, print)), daemon=True)
+
+    def look():
+        try:
+            run_lock.wait_until_free(fifo, 0.2, print)
+            done.append("free")
+        except CheckpointError as err:
+            done.append(str(err))
+
+    worker = threading.Thread(target=look, daemon=True)
     worker.start()
     worker.join(timeout=20)
-    assert done == [None], "the look hung on a FIFO lock file"
+    assert done, "the look hung on a FIFO lock file"
+    assert "its lock file .lock is not a regular file: remove it" in done[0]  # refused before a launch, in one line
+    # the main rank's own take then refuses the FIFO in one line (it used to take the flock and then fail to write
+    # its stamp with a bare "Invalid argument"), and leaves it where it is
+    with pytest.raises(CheckpointError, match=r"its lock file \.lock is not a regular file: remove it"):
+        run_lock.acquire_main(fifo, 0, print)
+    assert (fifo / run_lock.LOCK).is_fifo() and str(fifo.resolve()) not in run_lock._held
+
+
+def test_a_rank_lock_file_that_is_not_a_regular_file_is_one_line_on_every_side(tmp_path):
+    """A FIFO as ``.lock.ranks``: the look, the main rank's take and a rank's take each refuse it in one line (none
+    hangs on it); nothing is taken."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    os.mkfifo(ck / run_lock.RANKS_LOCK)
+    for take in (lambda: run_lock.wait_until_free(ck, 0, print), lambda: run_lock.acquire_main(ck, 0, print),
+                 lambda: run_lock.acquire_rank(ck)):
+        with pytest.raises(CheckpointError, match=r"its lock file \.lock\.ranks is not a regular file"):
+            take()
+        assert str(ck.resolve()) not in run_lock._held
+    assert (ck / run_lock.RANKS_LOCK).is_fifo()

@@ -26,6 +26,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -135,10 +136,22 @@ def _stamp(fd: int, truncate: bool) -> None:
 
 def _open(path: Path, append: bool = False) -> int:
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | (os.O_APPEND if append else 0), 0o644)
-    except OSError as err:  # (another user's lock file, a read-only mount)
+        # (O_NONBLOCK: a FIFO left in the lock file's place must not hang the open; it is refused below)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | (os.O_APPEND if append else 0), 0o644)
+    except OSError as err:  # (another user's lock file, a read-only mount, a folder of that name)
         raise CheckpointError(f"checkpoint.dir {path.parent}: cannot open its lock file {path.name} "
                               f"({err.strerror or err})") from None
+    _refuse_unless_regular(fd, path)
+    return fd
+
+
+def _refuse_unless_regular(fd: int, path: Path) -> None:
+    """A FIFO, socket or device in a lock file's place: flock may take it, but no stamp can be written to it.
+    Refused in one line (``fd`` closed), and left where it is for whoever put it there."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"checkpoint.dir {path.parent}: its lock file {path.name} is not a regular file: "
+                              "remove it (a run makes its own)")
 
 
 def acquire_main(directory: str | Path, wait_s: float, note: Callable[[str], None]) -> None:
@@ -179,7 +192,8 @@ def wait_until_free(directory: str | Path, wait_s: float, note: Callable[[str], 
     """Before a run builds anything: wait, as :func:`acquire_main` would, until no process holds the folder, and
     let it go again. A busy folder is then found in a second, not after every rank has built its model and read
     its data; the main rank still takes the folder itself later (another run may take it in between, and that
-    wait is counted again). Lock files that are absent or cannot be opened are left to the main rank's own take."""
+    wait is counted again). Lock files that are absent or cannot be opened are left to the main rank's own take;
+    one that is not a regular file is refused here, in the take's words."""
     directory = Path(directory)
     if _key(directory) in _held:
         return
@@ -187,9 +201,11 @@ def wait_until_free(directory: str | Path, wait_s: float, note: Callable[[str], 
     try:
         for name in (LOCK, RANKS_LOCK):
             try:
-                fds.append(os.open(directory / name, os.O_RDONLY | os.O_NONBLOCK))  # (a FIFO there: no hang)
+                fd = os.open(directory / name, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO there: no hang)
             except OSError:
-                pass
+                continue
+            _refuse_unless_regular(fd, directory / name)  # (before any rank is launched, as a busy folder is)
+            fds.append(fd)
         _take_all(fds, directory, wait_s, note)  # (False, no flock here: the main rank's take says so)
     finally:
         for fd in fds:
