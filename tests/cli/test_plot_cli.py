@@ -40,10 +40,14 @@ def _records():
 def test_plot_draws_a_png_and_counts_fault_events(tmp_path, capsys):
     run = tmp_path / "run"
     _write(run, _records())
+    n = len(_records())
     with open(run / "metrics.jsonl", "a") as fh:
-        fh.write('{"step": 21, "loss": 1.')  # a line cut short by a crash is skipped
+        fh.write('{"step": 21, "loss": 1.')  # a line cut short by a crash is skipped, and said to be
     assert main(["plot", str(run), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["skipped_lines"] == [n + 1]
+    assert f"warning: metrics.jsonl: 1 line left out, not a record with an integer step (line {n + 1})" in captured.err
     png = run / "run.png"
     assert result["path"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["steps"] == 20 and result["first_step"] == 1 and result["evaluations"] == 1
@@ -59,8 +63,11 @@ def test_plot_of_a_real_run_with_tensorboard(tmp_path, capsys):
             "--train.eval_every", "2", "--train.eval_batches", "1", "--train.log_every", "1",
             "--output.progress", "false", "--output.dir", str(out), "--output.tensorboard", "true"]
     assert main(argv) == 0
-    assert main(["plot", str(out), "--out", str(tmp_path / "fig" / "run.png")]) == 0
+    capsys.readouterr()
+    assert main(["plot", str(out), "--out", str(tmp_path / "fig" / "run.png"), "--json"]) == 0
     assert (tmp_path / "fig" / "run.png").is_file()
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["skipped_lines"] == [] and "warning" not in captured.err
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(out / "tb"))
@@ -92,3 +99,24 @@ def test_unwritable_output_is_one_line(tmp_path, capsys):
     assert main(["plot", str(run), "--out", str(tmp_path / "file" / "run.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot write" in err[0]
+
+
+def test_damaged_lines_are_left_out_and_named_not_skipped_in_silence(tmp_path, capsys):
+    """Lines in the middle of metrics.jsonl that hold no record (damage, a stray write), or a record whose step is
+    not an integer, are drawn without, and each is named by its line number; blank lines are no records."""
+    run = tmp_path / "run"
+    _write(run, _records()[:5])
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    lines[1:1] = ["garbage\n", "\n", '[1, 2]\n']  # lines 2-4: not a record, blank, not an object
+    lines.append('{"step": "six", "loss": 1.0}\n')  # line 9: no integer step
+    (run / "metrics.jsonl").write_text("".join(lines))
+    assert main(["plot", str(run), "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["skipped_lines"] == [2, 4, 9] and result["steps"] == 5
+    assert "3 lines left out, not a record with an integer step (lines 2, 4, 9)" in captured.err
+    (run / "metrics.jsonl").write_text("garbage\n" * 12)
+    assert main(["plot", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no step records (lines 1, 2, 3, 4, 5, 6, 7, 8, ... (12 in all) are no records)" \
+        in err[0], err

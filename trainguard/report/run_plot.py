@@ -42,6 +42,8 @@ class RunCurves:
     val: list[tuple[int, float]] = field(default_factory=list)
     resumes: list[int] = field(default_factory=list)
     events: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: {r: [] for r in ROWS})  # (step, count)
+    # lines of metrics.jsonl left out (from 1): no JSON object (cut short by a crash, damaged), or no integer step
+    skipped_lines: list[int] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         return {row: sum(n for _, n in pts) for row, pts in self.events.items()}
@@ -63,15 +65,18 @@ def read_run(run_dir: str | Path) -> RunCurves:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise TrainguardError(f"{run_dir} has no metrics.jsonl (was it written with --output.metrics false?)")
+    c = RunCurves()
     try:
-        records = read_records(path)
+        records = read_records(path, c.skipped_lines)
     except OSError as err:
         raise TrainguardError(f"cannot read {path}: {err.strerror or err}") from None
-    c = RunCurves()
     last_counter: dict[str, float] = {}
-    for r in records:
+    # (read_records gives no line numbers for records: count them again, skipping what it skipped)
+    numbers = _record_line_numbers(path, set(c.skipped_lines))
+    for number, r in zip(numbers, records):
         step = r.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
+            c.skipped_lines.append(number)
             continue
         kind = r.get("event")
         if kind is None and "loss" in r:
@@ -100,9 +105,24 @@ def read_run(run_dir: str | Path) -> RunCurves:
             last_counter.clear()  # counters restart with the process
         elif kind in _EVENT_ROW:
             c.events[_EVENT_ROW[kind]].append((step, 1))
+    c.skipped_lines.sort()
     if not c.steps:
-        raise TrainguardError(f"{path} holds no step records")
+        raise TrainguardError(f"{path} holds no step records" + (
+            f" ({describe_lines(c.skipped_lines)} {'is no record' if len(c.skipped_lines) == 1 else 'are no records'})"
+            if c.skipped_lines else ""))
     return c
+
+
+def _record_line_numbers(path: Path, skipped: set[int]) -> list[int]:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        return [n for n, line in enumerate(fh, 1) if line.strip() and n not in skipped]
+
+
+def describe_lines(numbers: list[int], most: int = 8) -> str:
+    """``line 3``, ``lines 3, 7, 9``, ``lines 3, 7, ... (12 in all)``: for a one-line message."""
+    shown = ", ".join(str(n) for n in numbers[:most])
+    more = f", ... ({len(numbers)} in all)" if len(numbers) > most else ""
+    return f"line{'s' if len(numbers) > 1 else ''} {shown}{more}"
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[Path, RunCurves]:

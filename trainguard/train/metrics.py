@@ -169,17 +169,23 @@ FAULT_EVENTS = ("retry", "suspected_hardware", "failure", "failover", "healed", 
 _STEP_FIELDS = {"step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "peak_mem_mb"}
 
 
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` (a line cut short by a crash is skipped)."""
+def read_records(path: str | Path, skipped: list[int] | None = None) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``. A line that holds no JSON object (one cut short by a crash, or damage)
+    is skipped; its number (from 1) is appended to ``skipped`` when given, for the caller to say so. Blank lines
+    are no records and not counted."""
     out = []
     with open(path, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
             try:
                 rec = json.loads(line)
             except ValueError:
-                continue
+                rec = None
             if isinstance(rec, dict):
                 out.append(rec)
+            elif skipped is not None:
+                skipped.append(number)
     return out
 
 

@@ -17,14 +17,19 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
 
-    from trainguard.report.run_plot import plot_run
+    from trainguard.report.run_plot import describe_lines, plot_run
 
     if args.out is not None:
         check_figure(args.out, "--out")
     path, curves = plot_run(args.run_dir, args.out)
     counts = curves.counts()
+    if curves.skipped_lines:  # (a line cut short by a crash is the usual one; drawn without it, but said)
+        err_console.print(f"warning: metrics.jsonl: {len(curves.skipped_lines)} line"
+                          f"{'s' if len(curves.skipped_lines) > 1 else ''} left out, not a record with an integer "
+                          f"step ({describe_lines(curves.skipped_lines)})", markup=False, highlight=False, soft_wrap=True)
     result = {"path": str(path), "steps": len(curves.steps), "first_step": curves.steps[0], "last_step": curves.steps[-1],
-              "evaluations": len(curves.val), "resumes": len(curves.resumes), "events": counts}
+              "evaluations": len(curves.val), "resumes": len(curves.resumes), "events": counts,
+              "skipped_lines": curves.skipped_lines}
     out = err_console if args.json else console
     out.print(table(f"trainguard plot: {path}", {"steps": f"{curves.steps[0]}..{curves.steps[-1]}",
                                                  "evaluations": len(curves.val), "resumes": len(curves.resumes),
