@@ -146,8 +146,13 @@ def test_records_are_complete_and_json_ready(batches):
 
 def test_unknown_module_or_missing_optimizer_is_refused(batches):
     t = trainer(batches)
-    with pytest.raises(TrainguardError):
+    with pytest.raises(TrainguardError, match=r"no module matches 'no.such.module' \(names look like 'tok_embeddings'"):
         Injector(Fault(ModuleSite("no.such.module"))).attach(t)
+    for target in ("param", "grad", "optimizer-state"):  # a typo in a parameter pattern: refused, not every trial
+        with pytest.raises(TrainguardError, match=r"no parameter matches 'layers\.0\.wq\*' \(names look like "
+                                                  r"'tok_embeddings.weight'"):  # unreached and counted as masked
+            Injector(Fault(TensorSite(target, "layers.0.wq*"))).attach(t)
+    Injector(Fault(TensorSite("grad", "layers.0.attention.wq*"))).attach(t).detach()  # (a pattern that matches)
     with pytest.raises(TrainguardError):
         Injector(Fault(TensorSite("grad", "*"))).attach_model(t.model)
     with pytest.raises(TrainguardError):

@@ -225,6 +225,13 @@ class _OpMode(TorchDispatchMode):
         return out
 
 
+
+def _examples(names: list[str], most: int = 3) -> str:
+    """A few of the names a pattern could have matched, for a one-line error."""
+    if not names:
+        return "the model has none"
+    return "names look like " + ", ".join(repr(n) for n in names[:most]) + (", ..." if len(names) > most else "")
+
 class Injector:
     """Holds faults, fires each once at its site, and records what it did (``records``)."""
 
@@ -278,11 +285,16 @@ class Injector:
             if isinstance(f.site, ModuleSite):
                 matched = [n for n in names if n and fnmatch.fnmatchcase(n, f.site.pattern)]
                 if not matched:
-                    raise TrainguardError(f"no module matches {f.site.pattern!r}")
+                    raise TrainguardError(f"no module matches {f.site.pattern!r} ({_examples([n for n in names if n])})")
                 for n in matched:
                     self._handles.append(names[n].register_forward_hook(self._module_hook(i, n)).remove)
-            if isinstance(f.site, TensorSite) and f.site.target != "param" and optimizer is None:
-                raise TrainguardError(f"a {f.site.target} site needs the optimizer (attach_model(model, optimizer))")
+            if isinstance(f.site, TensorSite):
+                if f.site.target != "param" and optimizer is None:
+                    raise TrainguardError(f"a {f.site.target} site needs the optimizer (attach_model(model, optimizer))")
+                # (a typo in the pattern would otherwise leave every trial unreached, counted as masked)
+                params = [n for n, _ in model.named_parameters()]
+                if not any(fnmatch.fnmatchcase(n, f.site.pattern) for n in params):
+                    raise TrainguardError(f"no parameter matches {f.site.pattern!r} ({_examples(params)})")
         if any(isinstance(f.site, ProductSite) for f in self.faults):
             self._handles.append(product_hooks(model).add(self._on_product))
         if optimizer is not None:

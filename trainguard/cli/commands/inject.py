@@ -21,7 +21,7 @@ def register(subparsers) -> None:
     p.add_argument("--fault", default="bitflip", choices=("bitflip", "inf", "-inf", "nan", "near-inf", "value"))
     p.add_argument("--field", default="any", choices=("any", "sign", "exponent", "mantissa"),
                    help="bit field for --fault bitflip (default any)")
-    p.add_argument("--value", type=float, default=0.0, help="value written by --fault value")
+    p.add_argument("--value", type=float, default=0.0, help="value written by --fault value (default 0.0)")
     p.add_argument("--site", default="op", choices=SITES)
     p.add_argument("--pattern", default=None, help="op / module / parameter name pattern (fnmatch)")
     p.add_argument("--phase", default="forward", choices=("forward", "recompute", "backward", "optimizer", "any"),
