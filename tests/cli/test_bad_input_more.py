@@ -86,6 +86,8 @@ def test_train_settings_out_of_range_are_refused(capsys, place, no_training, ove
     # was: silently taken as "auto"
     (["bench", "train", "--threads", "-1", "--steps", "1", "--rounds", "1", "--warmup", "0", "--batch", "1",
       "--seq-len", "8"], "--threads must be >= 0"),
+    # was: ZeroDivisionError from the banner, before the benchmark's own check
+    (["bench", "train", "--rounds", "0"], "--steps and --rounds must be >= 1 and --warmup >= 0, got 40, 0 and 3"),
     # was: a traceback from matplotlib after the benchmark
     ([*TINY_ABFT, "--plot", "{tmp}/net.txt"], "--plot must end in .png, .svg or .pdf"),
     # was: "File exists" after the whole benchmark, not naming the flag

@@ -75,6 +75,28 @@ def test_ranks_stop_when_the_command_is_killed_outright(tmp_path):
         command.kill()
 
 
+def test_ctrl_c_sent_to_the_command_alone_stops_its_ranks_before_it_leaves(tmp_path):
+    """A KeyboardInterrupt that reaches only the command (a notebook's interrupt, ``kill -INT`` to its pid; a
+    terminal's Ctrl-C reaches every process of the group) used to leave the agent and its ranks running."""
+    ready = tmp_path / "ready"
+    code = (f"from trainguard.train.launch import run_workers\n"
+            f"try:\n    run_workers(2, 'tests.train._sleeping_worker', {str(ready)!r})\n"
+            f"except KeyboardInterrupt:\n    print('interrupted', flush=True)\n")
+    command = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all((tmp_path / f"pid{r}").exists() for r in range(2)):
+            time.sleep(0.1)
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+        os.kill(command.pid, signal.SIGINT)
+        out, _ = command.communicate(timeout=60)
+        assert "interrupted" in out  # it waited for the ranks to stop, then went on with the interrupt
+        assert not any(_alive(p) for p in pids)  # (no grace here: stopped before the command went on)
+    finally:
+        command.kill()
+
+
 def test_an_agent_whose_command_died_before_it_asked_exits_at_once():
     """(In a child process: the request changes the process that makes it.)"""
     code = "from trainguard.train.launch import die_with_parent; print(die_with_parent())"

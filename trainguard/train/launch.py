@@ -143,7 +143,8 @@ def run_workers(nproc: int, module: str, *args: str) -> subprocess.CompletedProc
     passed on to the agent, which stops its workers, and then raised as :class:`Terminated` (exit code 143):
     without that, a terminated command left its ranks running and its temporary folder behind. If this process is
     killed outright, the agent gets SIGTERM from the kernel (:func:`die_with_parent`) and stops them all the same
-    (the caller's temporary folder then stays: nothing of this process runs any more to remove it)."""
+    (the caller's temporary folder then stays: nothing of this process runs any more to remove it). Any exception
+    while it waits (a KeyboardInterrupt sent to this process alone) stops the agent and its ranks before it goes on."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
     # (torch's agent, run by this module's entry point so that it stops when this process dies: die_with_parent)
@@ -160,12 +161,29 @@ def run_workers(nproc: int, module: str, *args: str) -> subprocess.CompletedProc
     old_term = signal.signal(signal.SIGTERM, pass_on) if on_main else None
     try:
         out, err = proc.communicate()
+    except BaseException:
+        # this process leaves early: a Ctrl-C sent to it alone (a notebook's interrupt, ``kill -INT``), or any
+        # exception raised in its thread. The agent and its ranks must not run on without it
+        _stop_agent(proc)
+        raise
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, old_term)
     if terminated:
         raise Terminated(f"terminated (SIGTERM): the {nproc} processes of {module} were stopped")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _stop_agent(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM to torch's agent, which stops its ranks and exits; SIGKILL if it has not within ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.communicate(timeout=grace_s)  # (reading its pipes: a full pipe must not keep it from exiting)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
 
 
 _SIGNALLED = re.compile(r"rank\s*:\s*(\d+).*?traceback\s*:\s*(Signal \d+ \(\w+\))", re.S)

@@ -133,6 +133,9 @@ def run_train(args) -> int:
 
     if args.threads < 0:
         raise ConfigError(f"--threads must be >= 0 (0: auto), got {args.threads}")
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 0:  # (before the banner, which divides by --rounds)
+        raise ConfigError(f"--steps and --rounds must be >= 1 and --warmup >= 0, got {args.steps}, {args.rounds} "
+                          f"and {args.warmup}")
     pick_threads(args.threads)
     out = err_console if args.json else console
     out.print(f"bench train: {args.model}, batch {args.batch} x {args.seq_len}, {args.rounds} rounds "
