@@ -3,6 +3,7 @@ run's processes are still stopping, waits for them and is told who holds the fol
 ``checkpoint.lock_wait_s`` it stops in one line and nothing in the folder is touched."""
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -299,3 +300,44 @@ def test_a_rank_lock_file_that_is_not_a_regular_file_is_one_line_on_every_side(t
             take()
         assert str(ck.resolve()) not in run_lock._held
     assert (ck / run_lock.RANKS_LOCK).is_fifo()
+
+
+def test_a_second_run_in_an_output_folder_in_use_is_refused_and_moves_none_of_its_files(tmp_path, batches, capfd):
+    """``output.dir`` is held as ``checkpoint.dir`` is. Without the hold, a second run in the folder moved the first
+    one's files into ``previous/`` while the first still wrote them, and their summaries overwrote each other."""
+    out = tmp_path / "out"
+    first = _holder(f"""
+        t = Trainer(tiny_cfg("--output.dir", {str(out)!r}, "--output.metrics", "true"))
+        t.run(2)
+        print("ready", flush=True)
+        time.sleep(120)
+    """)
+    try:
+        before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+        assert {"metrics.jsonl", "summary.json"} <= set(before)
+        second = Trainer(tiny_cfg("--output.dir", str(out), "--output.metrics", "true", "--checkpoint.lock_wait_s",
+                                  "0.3"), batches=batches)
+        with pytest.raises(CheckpointError, match=rf"output.dir .* is in use .*pid {first.pid}.* after waiting 0.3 s: "
+                                                  r"stop it first, or choose another output.dir"):
+            second.run(1)
+        assert second.step_idx == 0  # refused before any step
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before and \
+            not (out / "previous").exists()  # nothing moved aside, nothing written
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    second.run(1)  # the kernel let the killed run's hold go: the folder is this run's, the old files moved aside
+    second.close()
+    assert [p.name for p in (out / "previous").iterdir()] and json.loads((out / "summary.json").read_text())["steps_run"] == 1
+    assert str(out.resolve()) not in run_lock._held  # close() lets it go
+
+
+def test_one_folder_as_output_and_checkpoint_folder_is_held_once_and_let_go_by_close(tmp_path, batches):
+    both = tmp_path / "run"
+    t = Trainer(tiny_cfg("--output.dir", str(both), "--checkpoint.dir", str(both), "--output.metrics", "true"),
+                batches=batches)
+    t.run(2)
+    assert run_lock._held[str(both.resolve())][1] == 2  # (one lock, two holds)
+    t.close()
+    assert str(both.resolve()) not in run_lock._held
+    assert _steps(both) == [2] and (both / "summary.json").is_file()

@@ -76,7 +76,7 @@ def _who(directory: Path) -> str:
 
 
 def _take(fd: int, directory: Path, deadline: float, wait_s: float, note: Callable[[str], None],
-          told: list[bool]) -> bool:
+          told: list[bool], what: str = "checkpoint.dir") -> bool:
     """flock ``fd`` exclusively by ``deadline`` (``time.monotonic``; False: the file system cannot lock)."""
     while True:
         try:
@@ -90,24 +90,26 @@ def _take(fd: int, directory: Path, deadline: float, wait_s: float, note: Callab
             raise
         if time.monotonic() >= deadline:
             raise CheckpointError(
-                f"checkpoint.dir {directory} is in use by another run, or by this run's processes still stopping "
+                f"{what} {directory} is in use by another run, or by this run's processes still stopping "
                 f"({_who(directory)}){f' after waiting {wait_s:g} s' if wait_s else ''}: stop it first, or choose another "
-                "checkpoint.dir (checkpoint.lock_wait_s waits longer)")
+                f"{what} (checkpoint.lock_wait_s waits longer)")
         if not told[0]:
-            note(f"checkpoint.dir {directory} is in use ({_who(directory)}: another run, or this run's processes still "
+            note(f"{what} {directory} is in use ({_who(directory)}: another run, or this run's processes still "
                  f"stopping); waiting up to {wait_s:g} s for it to be free")
             told[0] = True
         time.sleep(_POLL_S)
 
 
-def _take_all(fds: list[int], directory: Path, wait_s: float, note: Callable[[str], None]) -> bool:
-    """:func:`_take` each of ``fds`` within one ``wait_s``; says once the folder is free if it had to wait."""
+def _take_all(fds: list[int], directory: Path, wait_s: float, note: Callable[[str], None],
+              what: str = "checkpoint.dir") -> bool:
+    """:func:`_take` each of ``fds`` within one ``wait_s``; says once the folder is free if it had to wait.
+    ``what``: the setting that named the folder, for the messages."""
     told, deadline = [False], time.monotonic() + wait_s
     for fd in fds:
-        if not _take(fd, directory, deadline, wait_s, note, told):
+        if not _take(fd, directory, deadline, wait_s, note, told, what):
             return False
     if told[0]:
-        note(f"checkpoint.dir {directory} is free: this run goes on")
+        note(f"{what} {directory} is free: this run goes on")
     return True
 
 
@@ -134,23 +136,23 @@ def _stamp(fd: int, truncate: bool) -> None:
         os.write(fd, line)
 
 
-def _open(path: Path, append: bool = False) -> int:
+def _open(path: Path, append: bool = False, what: str = "checkpoint.dir") -> int:
     try:
         # (O_NONBLOCK: a FIFO left in the lock file's place must not hang the open; it is refused below)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | (os.O_APPEND if append else 0), 0o644)
     except OSError as err:  # (another user's lock file, a read-only mount, a folder of that name)
-        raise CheckpointError(f"checkpoint.dir {path.parent}: cannot open its lock file {path.name} "
+        raise CheckpointError(f"{what} {path.parent}: cannot open its lock file {path.name} "
                               f"({err.strerror or err})") from None
-    _refuse_unless_regular(fd, path)
+    _refuse_unless_regular(fd, path, what)
     return fd
 
 
-def _refuse_unless_regular(fd: int, path: Path) -> None:
+def _refuse_unless_regular(fd: int, path: Path, what: str = "checkpoint.dir") -> None:
     """A FIFO, socket or device in a lock file's place: flock may take it, but no stamp can be written to it.
     Refused in one line (``fd`` closed), and left where it is for whoever put it there."""
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise CheckpointError(f"checkpoint.dir {path.parent}: its lock file {path.name} is not a regular file: "
+        raise CheckpointError(f"{what} {path.parent}: its lock file {path.name} is not a regular file: "
                               "remove it (a run makes its own)")
 
 
@@ -188,7 +190,8 @@ def acquire_main(directory: str | Path, wait_s: float, note: Callable[[str], Non
     _held[key] = [[fd], 1]
 
 
-def wait_until_free(directory: str | Path, wait_s: float, note: Callable[[str], None]) -> None:
+def wait_until_free(directory: str | Path, wait_s: float, note: Callable[[str], None],
+                    what: str = "checkpoint.dir") -> None:
     """Before a run builds anything: wait, as :func:`acquire_main` would, until no process holds the folder, and
     let it go again. A busy folder is then found in a second, not after every rank has built its model and read
     its data; the main rank still takes the folder itself later (another run may take it in between, and that
@@ -204,9 +207,9 @@ def wait_until_free(directory: str | Path, wait_s: float, note: Callable[[str], 
                 fd = os.open(directory / name, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO there: no hang)
             except OSError:
                 continue
-            _refuse_unless_regular(fd, directory / name)  # (before any rank is launched, as a busy folder is)
+            _refuse_unless_regular(fd, directory / name, what)  # (before any rank is launched, as a busy folder is)
             fds.append(fd)
-        _take_all(fds, directory, wait_s, note)  # (False, no flock here: the main rank's take says so)
+        _take_all(fds, directory, wait_s, note, what)  # (False, no flock here: the main rank's take says so)
     finally:
         for fd in fds:
             os.close(fd)  # (closing lets the lock go)
@@ -231,6 +234,33 @@ def acquire_rank(directory: str | Path) -> None:
             return
         raise
     _stamp(fd, truncate=False)
+    _held[key] = [[fd], 1]
+
+
+def acquire_output(directory: str | Path, wait_s: float, note: Callable[[str], None]) -> None:
+    """The main rank's hold on ``output.dir`` while ``Trainer.run`` writes its metrics and summary there: ``.lock``
+    alone, exclusively (only the main rank writes an output folder). Without it, a second run in the same folder
+    moved the first one's files aside while the first still wrote them, and the two summaries overwrote each other.
+    Waits and refuses as :func:`acquire_main` does; a folder this process already holds (``output.dir`` and
+    ``checkpoint.dir`` one folder) is shared. Released with :func:`release`."""
+    directory = Path(directory)
+    key = _key(directory)
+    if key in _held:
+        _held[key][1] += 1
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = _open(directory / LOCK, what="output.dir")
+    try:
+        ok = _take_all([fd], directory, wait_s, note, "output.dir")
+    except BaseException:
+        os.close(fd)
+        raise
+    if not ok:
+        os.close(fd)
+        note(f"warning: output.dir {directory} cannot be locked on this file system: a second run writing there at "
+             "the same time would not be noticed")
+        return
+    _stamp(fd, truncate=True)
     _held[key] = [[fd], 1]
 
 

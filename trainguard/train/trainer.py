@@ -220,6 +220,7 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
         self.tokens_per_step = self.batches.batch_size * self.batches.seq_len  # global
         self._unlock: weakref.finalize | None = None  # (checkpoint.dir's lock, held while this trainer lives)
+        self._unlock_output: weakref.finalize | None = None  # (output.dir's, from its first run(): the same)
         self.ckpt = (CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep, run_id=self.run_id, note=self._note)
                      if cfg.checkpoint.dir else None)
         if self.ckpt is not None:
@@ -801,6 +802,7 @@ class Trainer:
         if self.is_main:
             check_output_folders(cfg, checkpoints=False)
             if out_dir is not None:
+                self._hold_output_dir(out_dir)
                 self._claim_output_dir(out_dir, start)
         metrics_path = out_dir / "metrics.jsonl" if (out_dir and cfg.output.metrics and self.is_main) else None
         tb_dir = out_dir / "tb" if (out_dir and cfg.output.tensorboard and self.is_main) else None
@@ -878,6 +880,15 @@ class Trainer:
             self._finish_summary(summary, start, t0, first_loss, last, evaluation, logger, out_dir)
         return summary
 
+    def _hold_output_dir(self, out_dir: Path) -> None:
+        """One live run per output folder, as per checkpoint folder (``run_lock.acquire_output``), held while this
+        trainer lives. Not for a strategy whose ranks decide alone (elastic replicas: the writer moves to the lowest
+        live replica), as its checkpoint folder is not locked either."""
+        if self._unlock_output is not None or not (self.world == 1 or self.strategy.spans_default_group()):
+            return
+        run_lock.acquire_output(out_dir, self.cfg.checkpoint.lock_wait_s, self._note)
+        self._unlock_output = weakref.finalize(self, run_lock.release, out_dir)
+
     def _claim_output_dir(self, out_dir: Path, start: int) -> None:
         """Move another run's files in ``output.dir`` (metrics.jsonl, summary.json, tb/) into
         ``<output.dir>/previous/<its run id>/``: a new run never overwrites them. A resumed run keeps its own
@@ -953,9 +964,11 @@ class Trainer:
         return out
 
     def close(self) -> None:
-        """Tear down the process groups this trainer's strategy created, and let go of ``checkpoint.dir``."""
-        if getattr(self, "_unlock", None) is not None:
-            self._unlock()
+        """Tear down the process groups this trainer's strategy created, and let go of ``checkpoint.dir`` and
+        ``output.dir``."""
+        for unlock in (getattr(self, "_unlock", None), getattr(self, "_unlock_output", None)):
+            if unlock is not None:
+                unlock()
         self.strategy.close()
 
 

@@ -166,17 +166,19 @@ def run(args) -> int:
 
 
 def _wait_for_the_checkpoint_folder(cfg) -> None:
-    """A checkpoint folder in use by another run is found before the model is built and the data read (the
-    trainer's main rank takes the folder's lock later, as ever). Not for a rank of a launch (its launcher looked)
+    """A checkpoint or output folder in use by another run is found before the model is built and the data read
+    (the trainer's main rank takes the folders' locks later, as ever). Not for a rank of a launch (its launcher looked)
     nor for elastic replicas, which share one folder by design and lock nothing."""
     from trainguard.train.launch import under_launcher
 
-    if not cfg.checkpoint.dir or under_launcher() or cfg.distributed.strategy == "elastic":
+    if under_launcher() or cfg.distributed.strategy == "elastic":
         return
     from trainguard.train import run_lock
 
-    run_lock.wait_until_free(cfg.checkpoint.dir, cfg.checkpoint.lock_wait_s,
-                             lambda text: sys.stderr.write(f"trainguard: note: {text}\n"))
+    for what, folder in (("checkpoint.dir", cfg.checkpoint.dir), ("output.dir", cfg.output.dir)):
+        if folder:  # (the output folder too: Trainer.run holds it as the checkpoint folder is held)
+            run_lock.wait_until_free(folder, cfg.checkpoint.lock_wait_s,
+                                     lambda text: sys.stderr.write(f"trainguard: note: {text}\n"), what)
 
 
 def _interrupted(cfg, args, step) -> str:
