@@ -14,7 +14,8 @@ torch.set_num_threads(1)
 
 TINY_TRAIN = ["--model.dim", "32", "--model.n_heads", "2", "--model.ffn_hidden", "64", "--model.n_layers", "1",
               "--data.seq_len", "16", "--data.batch_size", "2", "--train.steps", "1", "--train.eval_every", "0",
-              "--output.progress", "false", "--output.metrics", "false", "--output.dir", ""]
+              "--output.progress", "false", "--output.metrics", "false", "--output.dir", "",
+              "--checkpoint.dir", ""]  # (not configs/tiny.toml's runs/tiny/checkpoints: a checkout that trained it holds a run)
 TINY_ABFT = ["bench", "abft", "--model", "llama-tiny", "--size", "tiny", "--batch", "1", "--seq-len", "8", "--rounds", "1",
              "--steps", "1", "--no-backward", "--device", "cpu", "--checkpoint-interval", "1"]
 TINY_MECEFO = ["bench", "mecefo", "--tiny", "--no-memory", "--steps", "1", "--rounds", "1", "--plot", ""]
