@@ -156,38 +156,40 @@ def _refuse_unless_regular(fd: int, path: Path, what: str = "checkpoint.dir") ->
                               "remove it (a run makes its own)")
 
 
-def acquire_main(directory: str | Path, wait_s: float, note: Callable[[str], None]) -> None:
+def acquire_main(directory: str | Path, wait_s: float, note: Callable[[str], None], what: str = "checkpoint.dir",
+                 with_ranks: bool = True) -> None:
     """The main rank's side: the folder for this run, once every process of its previous user has exited.
-    One-line CheckpointError when that takes longer than ``wait_s`` seconds."""
+    One-line CheckpointError when that takes longer than ``wait_s`` seconds. ``what``: the setting that named the
+    folder; ``with_ranks``: the other ranks hold the folder too (see the module docstring)."""
     directory = Path(directory)
     key = _key(directory)
     if key in _held:
         _held[key][1] += 1
         return
     directory.mkdir(parents=True, exist_ok=True)
-    fd = _open(directory / LOCK)
+    fds: list[int] = []
     try:
-        ranks = _open(directory / RANKS_LOCK)
-    except CheckpointError:
-        os.close(fd)
-        raise
-    try:
-        ok = _take_all([fd, ranks], directory, wait_s, note)
+        fds.append(_open(directory / LOCK, what=what))
+        if with_ranks:
+            fds.append(_open(directory / RANKS_LOCK, what=what))
+        ok = _take_all(fds, directory, wait_s, note, what)
     except BaseException:
-        os.close(fd)
-        os.close(ranks)
+        for fd in fds:
+            os.close(fd)
         raise
     if not ok:
-        os.close(fd)
-        os.close(ranks)
-        note(f"warning: checkpoint.dir {directory} cannot be locked on this file system: a second run using it "
+        for fd in fds:
+            os.close(fd)
+        note(f"warning: {what} {directory} cannot be locked on this file system: a second run using it "
              "at the same time would not be noticed")
         return
-    _stamp(fd, truncate=True)
-    os.ftruncate(ranks, 0)  # (every rank named there has exited)
-    fcntl.flock(ranks, fcntl.LOCK_UN)  # the ranks of this run take it shared next
-    os.close(ranks)
-    _held[key] = [[fd], 1]
+    _stamp(fds[0], truncate=True)
+    if with_ranks:
+        ranks = fds[1]
+        os.ftruncate(ranks, 0)  # (every rank named there has exited)
+        fcntl.flock(ranks, fcntl.LOCK_UN)  # the ranks of this run take it shared next
+        os.close(ranks)
+    _held[key] = [[fds[0]], 1]
 
 
 def wait_until_free(directory: str | Path, wait_s: float, note: Callable[[str], None],
@@ -239,29 +241,11 @@ def acquire_rank(directory: str | Path) -> None:
 
 def acquire_output(directory: str | Path, wait_s: float, note: Callable[[str], None]) -> None:
     """The main rank's hold on ``output.dir`` while ``Trainer.run`` writes its metrics and summary there: ``.lock``
-    alone, exclusively (only the main rank writes an output folder). Without it, a second run in the same folder
-    moved the first one's files aside while the first still wrote them, and the two summaries overwrote each other.
-    Waits and refuses as :func:`acquire_main` does; a folder this process already holds (``output.dir`` and
-    ``checkpoint.dir`` one folder) is shared. Released with :func:`release`."""
-    directory = Path(directory)
-    key = _key(directory)
-    if key in _held:
-        _held[key][1] += 1
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = _open(directory / LOCK, what="output.dir")
-    try:
-        ok = _take_all([fd], directory, wait_s, note, "output.dir")
-    except BaseException:
-        os.close(fd)
-        raise
-    if not ok:
-        os.close(fd)
-        note(f"warning: output.dir {directory} cannot be locked on this file system: a second run writing there at "
-             "the same time would not be noticed")
-        return
-    _stamp(fd, truncate=True)
-    _held[key] = [[fd], 1]
+    alone (only the main rank writes an output folder). Without it, a second run in the same folder moved the first
+    one's files aside while the first still wrote them, and the two summaries overwrote each other. Waits and
+    refuses as for ``checkpoint.dir``; a folder this process already holds (``output.dir`` and ``checkpoint.dir``
+    one folder) is shared. Released with :func:`release`."""
+    acquire_main(directory, wait_s, note, what="output.dir", with_ranks=False)
 
 
 def release(directory: str | Path) -> None:
