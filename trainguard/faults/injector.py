@@ -225,12 +225,12 @@ class _OpMode(TorchDispatchMode):
         return out
 
 
-
 def _examples(names: list[str], most: int = 3) -> str:
     """A few of the names a pattern could have matched, for a one-line error."""
     if not names:
         return "the model has none"
     return "names look like " + ", ".join(repr(n) for n in names[:most]) + (", ..." if len(names) > most else "")
+
 
 class Injector:
     """Holds faults, fires each once at its site, and records what it did (``records``)."""

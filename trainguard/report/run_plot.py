@@ -27,7 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from trainguard.errors import TrainguardError
-from trainguard.train.metrics import read_records
+from trainguard.train.metrics import read_numbered_records
 
 ROWS = ("detections", "corrections", "retries", "failovers", "preemptions")
 _EVENT_ROW = {"retry": "retries", "suspected_hardware": "retries", "failure": "failovers", "failover": "failovers",
@@ -67,13 +67,11 @@ def read_run(run_dir: str | Path) -> RunCurves:
         raise TrainguardError(f"{run_dir} has no metrics.jsonl (was it written with --output.metrics false?)")
     c = RunCurves()
     try:
-        records = read_records(path, c.skipped_lines)
+        records = read_numbered_records(path, c.skipped_lines)
     except OSError as err:
         raise TrainguardError(f"cannot read {path}: {err.strerror or err}") from None
     last_counter: dict[str, float] = {}
-    # (read_records gives no line numbers for records: count them again, skipping what it skipped)
-    numbers = _record_line_numbers(path, set(c.skipped_lines))
-    for number, r in zip(numbers, records):
+    for number, r in records:
         step = r.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
             c.skipped_lines.append(number)
@@ -111,11 +109,6 @@ def read_run(run_dir: str | Path) -> RunCurves:
             f" ({describe_lines(c.skipped_lines)} {'is no record' if len(c.skipped_lines) == 1 else 'are no records'})"
             if c.skipped_lines else ""))
     return c
-
-
-def _record_line_numbers(path: Path, skipped: set[int]) -> list[int]:
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        return [n for n, line in enumerate(fh, 1) if line.strip() and n not in skipped]
 
 
 def describe_lines(numbers: list[int], most: int = 8) -> str:

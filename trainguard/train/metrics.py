@@ -170,9 +170,14 @@ _STEP_FIELDS = {"step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tok
 
 
 def read_records(path: str | Path, skipped: list[int] | None = None) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl``. A line that holds no JSON object (one cut short by a crash, or damage)
-    is skipped; its number (from 1) is appended to ``skipped`` when given, for the caller to say so. Blank lines
-    are no records and not counted."""
+    """The records of a ``metrics.jsonl`` (see :func:`read_numbered_records`)."""
+    return [rec for _, rec in read_numbered_records(path, skipped)]
+
+
+def read_numbered_records(path: str | Path, skipped: list[int] | None = None) -> list[tuple[int, dict[str, Any]]]:
+    """The records of a ``metrics.jsonl`` with their line numbers (from 1). A line that holds no JSON object (one
+    cut short by a crash, or damage) is skipped; its number is appended to ``skipped`` when given, for the caller
+    to say so. Blank lines are no records and not counted."""
     out = []
     with open(path, encoding="utf-8", errors="replace") as fh:
         for number, line in enumerate(fh, 1):
@@ -183,7 +188,7 @@ def read_records(path: str | Path, skipped: list[int] | None = None) -> list[dic
             except ValueError:
                 rec = None
             if isinstance(rec, dict):
-                out.append(rec)
+                out.append((number, rec))
             elif skipped is not None:
                 skipped.append(number)
     return out

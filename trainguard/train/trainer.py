@@ -682,9 +682,7 @@ class Trainer:
         """Decide, on the main rank, what this run does with ``checkpoint.dir`` (new run, start over, resume
         which checkpoint) and apply it on every rank. One-line CheckpointError when the folder holds another
         run's checkpoints, no intact one, or one whose config differs in the run's shape or data."""
-        # one live run per folder (see run_lock): a strategy whose ranks decide alone (elastic replicas, which come
-        # and go in one folder by design) is not locked
-        locking = self.world == 1 or self.strategy.spans_default_group()
+        locking = self._locks_folders()
         plan = None
         if self.is_main:
             try:
@@ -880,11 +878,16 @@ class Trainer:
             self._finish_summary(summary, start, t0, first_loss, last, evaluation, logger, out_dir)
         return summary
 
+    def _locks_folders(self) -> bool:
+        """One live run per checkpoint and output folder (see run_lock), except for a strategy whose ranks decide
+        alone (elastic replicas, which come and go in one folder by design)."""
+        return self.world == 1 or self.strategy.spans_default_group()
+
     def _hold_output_dir(self, out_dir: Path) -> None:
         """One live run per output folder, as per checkpoint folder (``run_lock.acquire_output``), held while this
         trainer lives. Not for a strategy whose ranks decide alone (elastic replicas: the writer moves to the lowest
         live replica), as its checkpoint folder is not locked either."""
-        if self._unlock_output is not None or not (self.world == 1 or self.strategy.spans_default_group()):
+        if self._unlock_output is not None or not self._locks_folders():
             return
         run_lock.acquire_output(out_dir, self.cfg.checkpoint.lock_wait_s, self._note)
         self._unlock_output = weakref.finalize(self, run_lock.release, out_dir)
